@@ -1,0 +1,52 @@
+"""jax_sparse_mla: DeepSeek-V3.2 / Kimi-K3 style attention ops for JAX.
+
+Ops (each works under ``jax.jit`` and ``jax.vmap``; ``implementation=None`` picks the best
+available, ``"xla"`` is the exact jax-native implementation that runs everywhere):
+
+- ``sparse_mla``: sparse MLA over fp8_ds_mla records with a CSR index stream.
+- ``mla_decode`` / ``mla_decode_partials`` / ``merge_attn_states``: split-KV MLA decode.
+- ``ultraquant_decode``: GQA decode over a 4-bit UltraQuant paged cache.
+
+Record writers and readers live in ``jax_sparse_mla.formats`` and are re-exported here.
+"""
+
+from jax_sparse_mla.formats import (
+    concat_and_cache_ds_mla,
+    concat_and_cache_mla,
+    pack_fp8_ds_mla,
+    ultraquant_store,
+    unpack_fp8_ds_mla,
+)
+from jax_sparse_mla.mla_decode import (
+    merge_attn_states,
+    mla_decode,
+    mla_decode_partials,
+    validate_mla_decode,
+)
+from jax_sparse_mla.sparse_mla import (
+    dense_to_csr,
+    sparse_mla,
+    validate_fp8_ds_mla_records,
+    validate_sparse_mla,
+)
+from jax_sparse_mla.ultraquant import ultraquant_decode, validate_ultraquant_decode
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "concat_and_cache_ds_mla",
+    "concat_and_cache_mla",
+    "dense_to_csr",
+    "merge_attn_states",
+    "mla_decode",
+    "mla_decode_partials",
+    "pack_fp8_ds_mla",
+    "sparse_mla",
+    "ultraquant_decode",
+    "ultraquant_store",
+    "unpack_fp8_ds_mla",
+    "validate_fp8_ds_mla_records",
+    "validate_mla_decode",
+    "validate_sparse_mla",
+    "validate_ultraquant_decode",
+]

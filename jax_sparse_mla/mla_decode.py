@@ -1,0 +1,186 @@
+"""``mla_decode``: MLA decode over the fp8 latent cache, split over the KV, and the merge."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_sparse_mla._checks import (
+    check_array,
+    check_csr,
+    check_equal,
+    check_index_range,
+    check_positive_int,
+    check_scalar,
+    run_data_check,
+)
+from jax_sparse_mla._dispatch import resolve_implementation
+from jax_sparse_mla.formats import KV_DIM
+from jax_sparse_mla.reference.attention import merge_partials
+from jax_sparse_mla.reference.mla_decode import mla_decode_partials_f32
+
+DEFAULT_SM_SCALE = KV_DIM**-0.5
+_KV_DTYPES = (jnp.float8_e4m3fn, jnp.uint8)
+
+
+def mla_decode(
+    q: jax.Array,
+    kv: jax.Array,
+    kv_indices: jax.Array,
+    kv_indptr: jax.Array,
+    *,
+    qlen: int = 1,
+    k_scale=1.0,
+    v_scale=1.0,
+    sm_scale=None,
+    num_splits: int | None = None,
+    return_lse: bool = False,
+    implementation: str | None = None,
+    validate: bool = False,
+):
+    """Causal MLA decode of ``qlen`` query positions per request against an fp8 latent cache.
+
+    Request r's keys, in position order, are ``kv[kv_indices[kv_indptr[r]:kv_indptr[r+1]]]``;
+    K = code * k_scale (576 dims), V = code[:, :512] * v_scale. Position i of request r sees
+    key positions ``j <= seq_len_r - qlen + i``. Indices outside [0, tokens) are masked; a row
+    with no visible key gives out 0 and lse -inf.
+
+    Args:
+      q: [B * qlen, H, 576] bfloat16; row r * qlen + i is position i of request r.
+      kv: [tokens, 576] float8_e4m3fn (or uint8 holding e4m3fn codes).
+      kv_indices: [n] int32; kv_indptr: [B + 1] int32.
+      qlen: query positions per request (static).
+      k_scale, v_scale: per-tensor dequantization scales (float or 0-d array).
+      sm_scale: softmax scale; default 576 ** -0.5.
+      num_splits: KV splits per request (static; default 1 for "xla"). The exact
+        implementation combines its splits in float32, so the answer does not depend on it.
+      return_lse: also return the natural-log LSE.
+      implementation: None, "xla", "pallas" or "flydsl".
+      validate: run ``validate_mla_decode``'s data checks.
+    Returns:
+      out [B * qlen, H, 512] bfloat16, and with ``return_lse`` also lse [B * qlen, H] float32.
+    """
+    op = "mla_decode"
+    check_positive_int(op, "num_splits", num_splits, allow_none=True)
+    args, kw = _prepare(
+        op, q, kv, kv_indices, kv_indptr, qlen, k_scale, v_scale, sm_scale, validate
+    )
+    resolve_implementation(op, implementation)
+    o_parts, lse_parts = mla_decode_partials_f32(*args, **kw, num_splits=num_splits or 1)
+    out, lse = merge_partials(o_parts, lse_parts)
+    out = out.astype(jnp.bfloat16)
+    return (out, lse) if return_lse else out
+
+
+def mla_decode_partials(
+    q: jax.Array,
+    kv: jax.Array,
+    kv_indices: jax.Array,
+    kv_indptr: jax.Array,
+    *,
+    qlen: int = 1,
+    k_scale=1.0,
+    v_scale=1.0,
+    sm_scale=None,
+    num_splits: int = 1,
+    implementation: str | None = None,
+    validate: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """The split-KV partials of ``mla_decode``, for ``merge_attn_states``.
+
+    Each request's key positions are cut into ``num_splits`` splits of
+    ``c = 128 * ceil(seq_len / (128 * num_splits))`` positions (whole 128-key blocks): split s
+    covers [s * c, min((s + 1) * c, seq_len)). Each partial is normalized by its own sum; a split
+    with no visible key has o 0 and lse -inf. Arguments as ``mla_decode``.
+
+    Returns:
+      o_parts [B * qlen, num_splits, H, 512] bfloat16 and lse_parts [B * qlen, num_splits, H]
+      float32.
+    """
+    op = "mla_decode_partials"
+    check_positive_int(op, "num_splits", num_splits)
+    args, kw = _prepare(
+        op, q, kv, kv_indices, kv_indptr, qlen, k_scale, v_scale, sm_scale, validate
+    )
+    resolve_implementation(op, implementation)
+    o_parts, lse_parts = mla_decode_partials_f32(*args, **kw, num_splits=num_splits)
+    return o_parts.astype(jnp.bfloat16), lse_parts
+
+
+def _prepare(op, q, kv, kv_indices, kv_indptr, qlen, k_scale, v_scale, sm_scale, validate):
+    """Checks the shared arguments; returns the implementations' positional and keyword ones."""
+    _check_static(op, q, kv, kv_indices, kv_indptr, qlen)
+    kw = {
+        "qlen": qlen,
+        "k_scale": check_scalar(op, "k_scale", k_scale),
+        "v_scale": check_scalar(op, "v_scale", v_scale),
+        "sm_scale": check_scalar(
+            op, "sm_scale", DEFAULT_SM_SCALE if sm_scale is None else sm_scale
+        ),
+    }
+    if validate:
+        run_data_check(_check_data, kv_indices, kv_indptr, np.int32(kv.shape[0]))
+    codes = (
+        kv if kv.dtype == jnp.float8_e4m3fn else jax.lax.bitcast_convert_type(kv, jnp.float8_e4m3fn)
+    )
+    return (q, codes, kv_indices, kv_indptr), kw
+
+
+def _check_static(op, q, kv, kv_indices, kv_indptr, qlen) -> None:
+    check_positive_int(op, "qlen", qlen)
+    check_array(op, "q", q, dtypes=[jnp.bfloat16], ndim=3, last_dims=(KV_DIM,))
+    if hasattr(kv, "dtype") and kv.dtype == jnp.float8_e4m3fnuz:
+        raise TypeError(f"{op}: kv must be OCP float8_e4m3fn (or uint8 codes), not FNUZ")
+    check_array(op, "kv", kv, dtypes=_KV_DTYPES, ndim=2, last_dims=(KV_DIM,))
+    check_array(op, "kv_indices", kv_indices, dtypes=[jnp.int32], ndim=1)
+    check_array(op, "kv_indptr", kv_indptr, dtypes=[jnp.int32], ndim=1)
+    if kv_indptr.shape[0] < 1:
+        raise ValueError(f"{op}: kv_indptr must have shape [B + 1] with B >= 0, got [0]")
+    b = kv_indptr.shape[0] - 1
+    check_equal(op, "query rows", q.shape[0], b * qlen, f"q needs B * qlen = {b} * {qlen} rows")
+
+
+def validate_mla_decode(q, kv, kv_indices, kv_indptr, *, qlen: int = 1) -> None:
+    """Checks ``mla_decode``'s arguments, static and data-dependent; raises on the first problem.
+
+    Data checks: ``kv_indptr`` starts >= 0, never decreases and ends at ``len(kv_indices)``;
+    every entry of ``kv_indices`` is in [0, tokens).
+    """
+    _check_static("validate_mla_decode", q, kv, kv_indices, kv_indptr, qlen)
+    _check_data(np.asarray(kv_indices), np.asarray(kv_indptr), kv.shape[0])
+
+
+def _check_data(kv_indices: np.ndarray, kv_indptr: np.ndarray, tokens) -> None:
+    op = "mla_decode"
+    check_csr(op, "kv_indices", "kv_indptr", kv_indices, kv_indptr)
+    tokens = int(tokens)
+    check_index_range(op, "kv_indices", kv_indices, tokens, f"kv has {tokens} tokens")
+
+
+def merge_attn_states(o_parts: jax.Array, lse_parts: jax.Array, *, return_lse: bool = False):
+    """Combines attention partials (split KV, or context-parallel shards across devices).
+
+    Weights are ``exp(lse_s - max_s lse_s)``; a -inf partial has weight 0 (its o is ignored,
+    even if NaN); when every partial is -inf the output is 0 and the lse -inf.
+
+    Args:
+      o_parts: [n, S, H, D] float partial outputs, each normalized by its own sum.
+      lse_parts: [n, S, H] float32 natural-log LSEs.
+      return_lse: also return the combined lse.
+    Returns:
+      o [n, H, D] in o_parts' dtype (combined in float32), and with ``return_lse`` also
+      lse [n, H] float32.
+    """
+    op = "merge_attn_states"
+    check_array(op, "o_parts", o_parts, ndim=4)
+    if not jnp.issubdtype(o_parts.dtype, jnp.floating):
+        raise TypeError(f"{op}: o_parts must be a float array, got {np.dtype(o_parts.dtype).name}")
+    check_array(op, "lse_parts", lse_parts, dtypes=[jnp.float32], shape=o_parts.shape[:3])
+    if o_parts.shape[1] < 1:
+        raise ValueError(
+            f"{op}: o_parts needs at least one partial (S >= 1), got shape {list(o_parts.shape)}"
+        )
+    o, lse = merge_partials(o_parts, lse_parts)
+    o = o.astype(o_parts.dtype)
+    return (o, lse) if return_lse else o

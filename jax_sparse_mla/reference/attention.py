@@ -1,0 +1,108 @@
+"""The tiled online-softmax attention loop shared by every exact implementation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+class KeyTile(NamedTuple):
+    """One tile of keys for every row, as produced by an op's tile loader.
+
+    Attributes:
+      k: [R, T, G, Dk] float32 keys (G key heads; G = 1 when all query heads share the keys).
+      v: [R, T, G, Dv] float32 values.
+      key_valid: [R, T] bool; an invalid key is ignored entirely (its k and v may be garbage).
+      row_mask: optional bool mask broadcastable to [R, G, M, T] (e.g. causal), or None.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    key_valid: jax.Array
+    row_mask: jax.Array | None = None
+
+
+def attend_tiles(
+    q: jax.Array,
+    num_tiles: jax.Array | int,
+    load_tile: Callable[[jax.Array], KeyTile],
+    sm_scale: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """softmax(sm_scale * q·k) @ v over tiles of keys, with an f32 online softmax.
+
+    Args:
+      q: [R, G, M, Dk] float32 queries (R rows, G key heads, M queries per key head).
+      num_tiles: number of tiles (traced or static); tile ``t`` is ``load_tile(t)``.
+      load_tile: int32 scalar -> KeyTile.
+      sm_scale: float32 scalar.
+    Returns:
+      o [R, G, M, Dv] float32 (normalized; 0 where no key is valid) and
+      lse [R, G, M] float32 (natural log of the sum of exp(scores); -inf where no key is valid).
+    """
+    r, g, m, _ = q.shape
+    dv = jax.eval_shape(load_tile, jnp.int32(0)).v.shape[-1]
+    neg_inf = jnp.float32(-jnp.inf)
+
+    def step(t, carry):
+        m_run, l_run, acc = carry
+        tile = load_tile(t)
+        key_ok = tile.key_valid[:, :, None, None]
+        k = jnp.where(key_ok, tile.k, 0.0)
+        v = jnp.where(key_ok, tile.v, 0.0)
+        s = jnp.einsum("rgmd,rtgd->rgmt", q, k, precision=_HIGHEST) * sm_scale
+        valid = tile.key_valid[:, None, None, :]
+        if tile.row_mask is not None:
+            valid = valid & tile.row_mask
+        s = jnp.where(valid, s, neg_inf)
+        m_new = jnp.maximum(m_run, jnp.max(s, axis=-1))
+        m_ref = jnp.where(m_new == neg_inf, 0.0, m_new)  # no valid key yet: keep exp finite
+        alpha = jnp.exp(m_run - m_ref)
+        p = jnp.exp(s - m_ref[..., None])
+        l_new = l_run * alpha + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("rgmt,rtgd->rgmd", p, v, precision=_HIGHEST)
+        return m_new, l_new, acc * alpha[..., None] + pv
+
+    init = (
+        jnp.full((r, g, m), neg_inf),
+        jnp.zeros((r, g, m), jnp.float32),
+        jnp.zeros((r, g, m, dv), jnp.float32),
+    )
+    m_fin, l_fin, acc = jax.lax.fori_loop(0, num_tiles, step, init)
+    has_keys = l_fin > 0
+    o = jnp.where(has_keys[..., None], acc / jnp.where(has_keys, l_fin, 1.0)[..., None], 0.0)
+    lse = jnp.where(has_keys, m_fin + jnp.log(jnp.where(has_keys, l_fin, 1.0)), neg_inf)
+    return o, lse
+
+
+def merge_partials(o_parts: jax.Array, lse_parts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Combines attention partials in float32.
+
+    Args:
+      o_parts: [..., S, H, D] partial outputs, each normalized by its own sum.
+      lse_parts: [..., S, H] their log-sum-exps; a -inf partial has weight 0.
+    Returns:
+      o [..., H, D] float32 (0 where every partial is -inf) and lse [..., H] float32.
+    """
+    lse = lse_parts.astype(jnp.float32)
+    neg_inf = jnp.float32(-jnp.inf)
+    m = jnp.max(lse, axis=-2)
+    m_ref = jnp.where(m == neg_inf, 0.0, m)
+    w = jnp.exp(lse - m_ref[..., None, :])  # [..., S, H]; exp(-inf) = 0
+    total = jnp.sum(w, axis=-2)
+    contrib = jnp.where((w > 0)[..., None], w[..., None] * o_parts.astype(jnp.float32), 0.0)
+    has = total > 0
+    o = jnp.where(
+        has[..., None], jnp.sum(contrib, axis=-3) / jnp.where(has, total, 1.0)[..., None], 0.0
+    )
+    lse_out = jnp.where(has, m_ref + jnp.log(jnp.where(has, total, 1.0)), neg_inf)
+    return o, lse_out
+
+
+def ceil_div(a, b):
+    """Integer ceil(a / b) for non-negative a (arrays or ints) and positive b."""
+    return (a + b - 1) // b

@@ -1,0 +1,61 @@
+"""Exact UltraQuant FP4 paged decode (implementation "xla")."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_sparse_mla.formats import UQ_HEAD_DIM, _unpack_slots, ultraquant_rotate
+from jax_sparse_mla.reference.attention import KeyTile, attend_tiles, ceil_div
+
+PARTITION_TILE = 128  # key positions per tile-group; partition p owns groups p, p + P, ...
+
+
+def ultraquant_decode_partials_f32(
+    q: jax.Array,
+    cache: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    sm_scale: jax.Array,
+    num_partitions: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Per-partition partials of UltraQuant decode, in float32.
+
+    Args:
+      q: [B, Hq, 256] bf16 (not rotated), Hq = Hk * G; query head h reads KV head h // G.
+      cache: [num_blocks, block_size, Hk, slot_bytes] uint8 UltraQuant slots.
+      block_tables: [B, max_blocks] int32; an entry outside [0, num_blocks) masks its tokens.
+      seq_lens: [B] int32, clamped to [0, max_blocks * block_size].
+      sm_scale: float32 scalar.
+      num_partitions: P; partition p owns the 128-token tile-groups p, p + P, p + 2P, ...
+    Returns:
+      o [B, P, Hq, 256] float32 (each normalized by its own sum), lse [B, P, Hq] float32.
+    """
+    bsz, hq, _ = q.shape
+    nb, bs, hk, _ = cache.shape
+    g = hq // hk
+    p = num_partitions
+    max_blocks = block_tables.shape[1]
+    seq_len = jnp.clip(seq_lens, 0, max_blocks * bs)
+    tile = PARTITION_TILE
+    offsets = jnp.arange(tile, dtype=jnp.int32)
+    part = jnp.tile(jnp.arange(p, dtype=jnp.int32), bsz)  # [R], R = B * P
+    req = jnp.repeat(jnp.arange(bsz, dtype=jnp.int32), p)
+    row_len = seq_len[req]
+
+    def load_tile(t):
+        pos = (part[:, None] + t * p) * tile + offsets  # [R, tile]
+        in_seq = pos < row_len[:, None]
+        blk_col = jnp.minimum(pos // bs, max_blocks - 1)
+        blk = block_tables[req[:, None], blk_col]
+        key_valid = in_seq & (blk >= 0) & (blk < nb)
+        slots = cache[jnp.where(key_valid, blk, 0), pos % bs]  # [R, tile, Hk, slot_bytes]
+        k, v = _unpack_slots(slots)
+        return KeyTile(k, v, key_valid)
+
+    num_tiles = ceil_div(ceil_div(jnp.max(seq_len), tile), p)
+    q_rot = ultraquant_rotate(q).reshape(bsz, 1, hk, g, UQ_HEAD_DIM)
+    q_rot = jnp.broadcast_to(q_rot, (bsz, p, hk, g, UQ_HEAD_DIM)).reshape(bsz * p, hk, g, -1)
+    o, lse = attend_tiles(q_rot, num_tiles, load_tile, sm_scale)
+    return o.reshape(bsz, p, hq, UQ_HEAD_DIM), lse.reshape(bsz, p, hq)

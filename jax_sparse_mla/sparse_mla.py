@@ -1,0 +1,140 @@
+"""``sparse_mla``: sparse MLA attention over fp8_ds_mla records with a CSR index stream."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_sparse_mla._checks import (
+    check_array,
+    check_csr,
+    check_index_range,
+    check_scalar,
+    run_data_check,
+)
+from jax_sparse_mla._dispatch import resolve_implementation
+from jax_sparse_mla.formats import KV_DIM, MAX_KERNEL_SCALE, RECORD_BYTES, SCALES_OFFSET
+from jax_sparse_mla.reference.sparse_mla import sparse_mla_xla
+
+DEFAULT_SM_SCALE = KV_DIM**-0.5
+
+
+def sparse_mla(
+    q: jax.Array,
+    kv: jax.Array,
+    idx: jax.Array,
+    indptr: jax.Array,
+    *,
+    sm_scale=None,
+    return_lse: bool = False,
+    implementation: str | None = None,
+    validate: bool = False,
+):
+    """Sparse MLA: each query row attends to its own list of fp8_ds_mla records.
+
+    ``out[r, h] = softmax_k(sm_scale * q[r, h]·K_k) @ V_k`` over the rows
+    ``idx[indptr[r]:indptr[r+1]]`` of ``kv``, with K = latent ‖ rope (576) and V = latent (512).
+    Entries < 0 or >= the number of kv rows are masked (never read); a row with no unmasked key
+    gives out 0 and lse -inf. A row with ``indptr[r+1] < indptr[r]`` is empty.
+
+    Args:
+      q: [n_q, H, 576] bfloat16.
+      kv: [..., 656] uint8 fp8_ds_mla records, any leading shape (read as rows).
+      idx: [nnz] int32 record indices, CSR values.
+      indptr: [n_q + 1] int32 CSR row pointers.
+      sm_scale: softmax scale (float or 0-d array); default 576 ** -0.5.
+      return_lse: also return the natural-log LSE of the scaled scores.
+      implementation: None (best available), "xla" (exact, every platform), "pallas", "flydsl".
+      validate: check the data-dependent preconditions (see ``validate_sparse_mla``); raises
+        ValueError (eagerly on concrete inputs, at run time under ``jax.jit``).
+    Returns:
+      out [n_q, H, 512] bfloat16, and with ``return_lse`` also lse [n_q, H] float32.
+    """
+    op = "sparse_mla"
+    _check_static(op, q, kv, idx, indptr)
+    resolve_implementation(op, implementation)
+    scale = check_scalar(op, "sm_scale", DEFAULT_SM_SCALE if sm_scale is None else sm_scale)
+    if validate:
+        run_data_check(_check_data, kv, idx, indptr)
+    out, lse = sparse_mla_xla(q, kv, idx, indptr, scale)
+    return (out, lse) if return_lse else out
+
+
+def _check_static(op: str, q, kv, idx, indptr) -> None:
+    check_array(op, "q", q, dtypes=[jnp.bfloat16], ndim=3, last_dims=(KV_DIM,))
+    check_array(op, "kv", kv, dtypes=[jnp.uint8], min_ndim=1, last_dims=(RECORD_BYTES,))
+    check_array(op, "idx", idx, dtypes=[jnp.int32], ndim=1)
+    check_array(op, "indptr", indptr, dtypes=[jnp.int32], shape=(q.shape[0] + 1,))
+
+
+def validate_sparse_mla(q, kv, idx, indptr) -> None:
+    """Checks ``sparse_mla``'s arguments, static and data-dependent; raises on the first problem.
+
+    Data checks: ``indptr`` starts >= 0, never decreases and ends at ``len(idx)``; every entry
+    of ``idx`` is -1 (padding) or in [0, kv rows); every record an entry reaches has scales
+    that are powers of two and <= 2^7 (the gfx950 kernel's precondition).
+    """
+    _check_static("validate_sparse_mla", q, kv, idx, indptr)
+    _check_data(np.asarray(kv), np.asarray(idx), np.asarray(indptr))
+
+
+def _check_data(kv: np.ndarray, idx: np.ndarray, indptr: np.ndarray) -> None:
+    op = "sparse_mla"
+    check_csr(op, "idx", "indptr", idx, indptr)
+    records = kv.reshape(-1, RECORD_BYTES)
+    rows = records.shape[0]
+    check_index_range(op, "idx", idx, rows, f"kv has {rows} rows; -1 marks padding", allow=-1)
+    _check_scales(op, records[np.unique(idx[idx >= 0])])
+
+
+def validate_fp8_ds_mla_records(records) -> None:
+    """Raises ValueError unless every scale of ``records`` ([..., 656] uint8) is a power of two
+    and <= 2^7 (the gfx950 sparse_mla kernel's precondition; the writer guarantees it for
+    |latent| <= 57344)."""
+    check_array(
+        "validate_fp8_ds_mla_records",
+        "records",
+        records,
+        dtypes=[jnp.uint8],
+        min_ndim=1,
+        last_dims=(RECORD_BYTES,),
+    )
+    _check_scales("validate_fp8_ds_mla_records", np.asarray(records))
+
+
+def _check_scales(op: str, records: np.ndarray) -> None:
+    scales = np.ascontiguousarray(records[..., SCALES_OFFSET : SCALES_OFFSET + 16]).view("<f4")
+    mantissa, _ = np.frexp(scales)
+    not_pow2 = ~np.isfinite(scales) | (scales <= 0) | (mantissa != 0.5)
+    if not_pow2.any():
+        where = tuple(int(i) for i in np.argwhere(not_pow2)[0])
+        raise ValueError(
+            f"{op}: record scale at {where} is {scales[where]!r}, not a positive power of two "
+            f"({int(not_pow2.sum())} such scale(s)); fp8_ds_mla scales are 2^k"
+        )
+    big = scales > MAX_KERNEL_SCALE
+    if big.any():
+        where = tuple(int(i) for i in np.argwhere(big)[0])
+        raise ValueError(
+            f"{op}: record scale at {where} is {scales[where]!r} > 2^7: the gfx950 kernel clamps "
+            f"it (finite but inexact); the writer keeps scales <= 2^7 for |latent| <= 57344 "
+            f"({int(big.sum())} such scale(s))"
+        )
+
+
+def dense_to_csr(topk_idx: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The [n_q, topk] index layout with -1 padding as CSR.
+
+    Every row keeps its ``topk`` entries (the -1 padding stays and is masked by ``sparse_mla``),
+    so the result has static shape and works under ``jax.jit``.
+
+    Args:
+      topk_idx: [n_q, topk] int32, -1 for padding.
+    Returns:
+      idx [n_q * topk] int32 and indptr [n_q + 1] int32 (``indptr[r] = r * topk``).
+    """
+    check_array("dense_to_csr", "topk_idx", topk_idx, dtypes=[jnp.int32], ndim=2)
+    n_q, topk = topk_idx.shape
+    indptr = jnp.arange(n_q + 1, dtype=jnp.int32) * topk
+    return topk_idx.reshape(-1), indptr

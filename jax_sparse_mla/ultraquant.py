@@ -1,0 +1,115 @@
+"""``ultraquant_decode``: paged decode over a 4-bit UltraQuant (FP4 E2M1 + UE8M0) KV cache."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_sparse_mla._checks import (
+    check_array,
+    check_index_range,
+    check_positive_int,
+    check_scalar,
+    run_data_check,
+)
+from jax_sparse_mla._dispatch import resolve_implementation
+from jax_sparse_mla.formats import UQ_HEAD_DIM, check_ultraquant_cache
+from jax_sparse_mla.reference.attention import merge_partials
+from jax_sparse_mla.reference.ultraquant import ultraquant_decode_partials_f32
+
+DEFAULT_SM_SCALE = 1.0 / 16.0
+
+
+def ultraquant_decode(
+    q: jax.Array,
+    cache: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    sm_scale=DEFAULT_SM_SCALE,
+    num_partitions: int | None = None,
+    implementation: str | None = None,
+    validate: bool = False,
+) -> jax.Array:
+    """GQA decode against an UltraQuant cache written by ``ultraquant_store``.
+
+    Query head h reads KV head ``h // G`` (``Hq = Hk * G``). Token j < seq_len of request b is
+    slot ``(block_tables[b, j // block_size], j % block_size)``. The rotation of K is cancelled
+    by rotating q inside the op, so the output is in V's own space. A block-table entry outside
+    [0, num_blocks) masks its tokens; ``seq_lens`` is clamped to [0, max_blocks * block_size]; a
+    request with no key gives 0.
+
+    Args:
+      q: [B, Hq, 256] bfloat16, not rotated.
+      cache: [num_blocks, block_size, Hk, slot_bytes] uint8 (slot_bytes >= 272, multiple of 4).
+      block_tables: [B, max_blocks] int32.
+      seq_lens: [B] int32.
+      sm_scale: softmax scale (float or 0-d array); default 1/16.
+      num_partitions: P (static; default 1 for "xla"): partition p owns the tile-groups p, p + P,
+        ... and the partitions are reduced at the end; the exact implementation reduces in
+        float32, so the answer does not depend on P.
+      implementation: None, "xla", "pallas" or "flydsl".
+      validate: run ``validate_ultraquant_decode``'s data checks.
+    Returns:
+      [B, Hq, 256] bfloat16.
+    """
+    op = "ultraquant_decode"
+    _check_static(op, q, cache, block_tables, seq_lens)
+    check_positive_int(op, "num_partitions", num_partitions, allow_none=True)
+    scale = check_scalar(op, "sm_scale", sm_scale)
+    resolve_implementation(op, implementation)
+    if validate:
+        run_data_check(
+            _check_data, block_tables, seq_lens, np.int32(cache.shape[0]), np.int32(cache.shape[1])
+        )
+    o_parts, lse_parts = ultraquant_decode_partials_f32(
+        q, cache, block_tables, seq_lens, sm_scale=scale, num_partitions=num_partitions or 1
+    )
+    out, _ = merge_partials(o_parts, lse_parts)
+    return out.astype(jnp.bfloat16)
+
+
+def _check_static(op, q, cache, block_tables, seq_lens) -> None:
+    check_array(op, "q", q, dtypes=[jnp.bfloat16], ndim=3, last_dims=(UQ_HEAD_DIM,))
+    check_ultraquant_cache(op, cache)
+    b, hq, _ = q.shape
+    hk = cache.shape[2]
+    if hk == 0 or hq % hk:
+        raise ValueError(
+            f"{op}: q's head count ({hq}) must be a multiple of the cache's KV heads ({hk})"
+        )
+    check_array(op, "block_tables", block_tables, dtypes=[jnp.int32], shape=(b, None))
+    if block_tables.shape[1] < 1:
+        raise ValueError(
+            f"{op}: block_tables must have at least one column, got {list(block_tables.shape)}"
+        )
+    check_array(op, "seq_lens", seq_lens, dtypes=[jnp.int32], shape=(b,))
+
+
+def validate_ultraquant_decode(q, cache, block_tables, seq_lens) -> None:
+    """Checks ``ultraquant_decode``'s arguments, static and data-dependent; raises on the first
+    problem.
+
+    Data checks: every seq_len is in [0, max_blocks * block_size]; every block-table entry a
+    request uses (the first ``ceil(seq_len / block_size)``) is in [0, num_blocks).
+    """
+    _check_static("validate_ultraquant_decode", q, cache, block_tables, seq_lens)
+    _check_data(np.asarray(block_tables), np.asarray(seq_lens), cache.shape[0], cache.shape[1])
+
+
+def _check_data(block_tables: np.ndarray, seq_lens: np.ndarray, num_blocks, block_size) -> None:
+    op = "ultraquant_decode"
+    num_blocks, block_size = int(num_blocks), int(block_size)
+    capacity = block_tables.shape[1] * block_size
+    check_index_range(
+        op, "seq_lens", seq_lens, capacity + 1, f"block_tables holds {capacity} tokens per request"
+    )
+    used = np.arange(block_tables.shape[1])[None, :] < -(-seq_lens[:, None] // block_size)
+    check_index_range(
+        op,
+        "block_tables",
+        np.where(used, block_tables, 0),
+        num_blocks,
+        f"the cache has {num_blocks} blocks",
+    )
