@@ -48,7 +48,9 @@ def mla_decode(
 
     Args:
       q: [B * qlen, H, 576] bfloat16; row r * qlen + i is position i of request r.
-      kv: [tokens, 576] float8_e4m3fn (or uint8 holding e4m3fn codes).
+      kv: [tokens, 576] float8_e4m3fn, or uint8 holding e4m3fn codes. On XLA:CPU a float8
+        array is copied once per call before the gathers (XLA widens float8 there); a uint8
+        cache (e.g. the one ``concat_and_cache_mla`` writes when given uint8) avoids the copy.
       kv_indices: [n] int32; kv_indptr: [B + 1] int32.
       qlen: query positions per request (static).
       k_scale, v_scale: per-tensor dequantization scales (float or 0-d array).
@@ -121,9 +123,7 @@ def _prepare(op, q, kv, kv_indices, kv_indptr, qlen, k_scale, v_scale, sm_scale,
     }
     if validate:
         run_data_check(_check_data, kv_indices, kv_indptr, np.int32(kv.shape[0]))
-    codes = (
-        kv if kv.dtype == jnp.float8_e4m3fn else jax.lax.bitcast_convert_type(kv, jnp.float8_e4m3fn)
-    )
+    codes = kv if kv.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(kv, jnp.uint8)
     return (q, codes, kv_indices, kv_indptr), kw
 
 

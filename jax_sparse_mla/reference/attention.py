@@ -73,7 +73,9 @@ def attend_tiles(
         jnp.zeros((r, g, m, dv), jnp.float32),
     )
     m_fin, l_fin, acc = jax.lax.fori_loop(0, num_tiles, step, init)
-    has_keys = l_fin > 0
+    # l >= 1 once a key is valid (its largest score contributes exp(0)), so l == 0 means no
+    # valid key; NaN scores from a referenced corrupt record propagate as NaN.
+    has_keys = l_fin != 0
     o = jnp.where(has_keys[..., None], acc / jnp.where(has_keys, l_fin, 1.0)[..., None], 0.0)
     lse = jnp.where(has_keys, m_fin + jnp.log(jnp.where(has_keys, l_fin, 1.0)), neg_inf)
     return o, lse
@@ -94,8 +96,8 @@ def merge_partials(o_parts: jax.Array, lse_parts: jax.Array) -> tuple[jax.Array,
     m_ref = jnp.where(m == neg_inf, 0.0, m)
     w = jnp.exp(lse - m_ref[..., None, :])  # [..., S, H]; exp(-inf) = 0
     total = jnp.sum(w, axis=-2)
-    contrib = jnp.where((w > 0)[..., None], w[..., None] * o_parts.astype(jnp.float32), 0.0)
-    has = total > 0
+    contrib = jnp.where((w != 0)[..., None], w[..., None] * o_parts.astype(jnp.float32), 0.0)
+    has = total != 0  # 0 only when every partial is -inf; NaN propagates
     o = jnp.where(
         has[..., None], jnp.sum(contrib, axis=-3) / jnp.where(has, total, 1.0)[..., None], 0.0
     )

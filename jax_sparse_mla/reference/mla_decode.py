@@ -36,7 +36,7 @@ def mla_decode_partials_f32(
 
     Args:
       q: [B * qlen, H, 576] bf16; row r * qlen + i is position i of request r.
-      kv: [tokens, 576] float8_e4m3fn codes.
+      kv: [tokens, 576] uint8 e4m3fn codes.
       kv_indices: [n] int32; kv_indptr: [B + 1] int32. Request r's keys in position order are
         kv[kv_indices[kv_indptr[r]:kv_indptr[r+1]]]; indices outside [0, tokens) are masked.
       qlen: queries per request; position i sees key positions j <= seq_len - qlen + i.
@@ -76,7 +76,8 @@ def mla_decode_partials_f32(
         in_split = (j < hi[:, None]) & (pos >= 0) & (pos < n)
         tok = kv_indices[jnp.clip(pos, 0, n - 1)]
         key_valid = in_split & (tok >= 0) & (tok < tokens)
-        codes = kv[jnp.where(key_valid, tok, 0)].astype(jnp.float32)  # [R, tile, 576]
+        rows_u8 = kv[jnp.where(key_valid, tok, 0)]  # [R, tile, 576]: gather bytes, then convert
+        codes = jax.lax.bitcast_convert_type(rows_u8, jnp.float8_e4m3fn).astype(jnp.float32)
         k = codes * k_scale
         v = codes[..., :LATENT_DIM] * v_scale
         causal = j[:, None, :] <= bound[:, :, None]  # [R, qlen, tile]
