@@ -169,11 +169,6 @@ def _unpack_records(records: jax.Array) -> tuple[jax.Array, jax.Array]:
     return latent, rope
 
 
-def record_scales(records: jax.Array) -> jax.Array:
-    """The 4 float32 scales of each record: [..., 656] uint8 -> [..., 4] float32."""
-    return _from_bytes(records[..., SCALES_OFFSET:ROPE_OFFSET], jnp.float32)
-
-
 def _check_float(op: str, name: str, x) -> None:
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"{op}: {name} must be a float array, got {np.dtype(x.dtype).name}")
