@@ -297,12 +297,14 @@ def uq_unpack(cache) -> tuple[np.ndarray, np.ndarray]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _attend(q, k, v, scale):
-    """q [H, D], k [n, D], v [n, Dv] float64 -> (out [H, Dv], lse [H]). n == 0 -> (0, -inf)."""
+def _attend(q, k, v, scale, dot_transform=None):
+    """q [H, D], k [n, D], v [n, Dv] float64 -> (out [H, Dv], lse [H]). n == 0 -> (0, -inf).
+    dot_transform (meta-tests only) is applied to q.k before the scale, e.g. a bf16 rounding."""
     h = q.shape[0]
     if k.shape[0] == 0:
         return np.zeros((h, v.shape[-1])), np.full((h,), -np.inf)
-    s = scale * (q @ k.T)  # [H, n]
+    dots = q @ k.T  # [H, n]
+    s = scale * (dots if dot_transform is None else dot_transform(dots))
     m = np.max(s, axis=-1, keepdims=True)
     p = np.exp(s - m)
     den = np.sum(p, axis=-1, keepdims=True)
@@ -324,9 +326,10 @@ def csr_row_positions(indptr, r: int, nnz: int) -> np.ndarray:
     return p[(p >= 0) & (p < nnz)]
 
 
-def sparse_mla(q, records, idx, indptr, sm_scale=None, stats=False):
+def sparse_mla(q, records, idx, indptr, sm_scale=None, stats=False, dot_transform=None):
     """q [n_q, H, 576] (exact values), records [..., 656] -> (out [n_q,H,512], lse [n_q,H]).
-    With stats=True also returns per-row dict(n_keys, v_absmax, score_abs) for tolerances."""
+    With stats=True also returns per-row dict(n_keys, v_absmax, score_abs) for tolerances.
+    dot_transform: see _attend (meta-tests only)."""
     q = to_f64(q)
     n_q, h, d = q.shape
     assert d == KDIM
@@ -344,7 +347,7 @@ def sparse_mla(q, records, idx, indptr, sm_scale=None, stats=False):
         ent = idx[pos]
         ent = ent[(ent >= 0) & (ent < n_rec)]
         k, v = record_kv(recs[ent])
-        out[r], lse[r] = _attend(q[r], k, v, sm_scale)
+        out[r], lse[r] = _attend(q[r], k, v, sm_scale, dot_transform)
         st.append(_stats(q[r], k, v, sm_scale))
     return (out, lse, st) if stats else (out, lse)
 
