@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,9 +21,24 @@ from jax_sparse_mla._checks import (
 from jax_sparse_mla._dispatch import resolve_implementation
 from jax_sparse_mla.formats import KV_DIM
 from jax_sparse_mla.reference.attention import merge_partials
-from jax_sparse_mla.reference.mla_decode import mla_decode_partials_f32
+from jax_sparse_mla.reference.mla_decode import merge_partials_bf16, mla_decode_partials_f32
 
 DEFAULT_SM_SCALE = KV_DIM**-0.5
+
+
+class DecodeImplementation(NamedTuple):
+    """One implementation of split-KV decode.
+
+    partials(q, kv_codes, kv_indices, kv_indptr, *, qlen, k_scale, v_scale, sm_scale, num_splits)
+      -> (o_parts [B*qlen, S, H, 512] float, lse_parts [B*qlen, S, H] f32);
+    combine(o_parts, lse_parts) -> (out [B*qlen, H, 512] bf16, lse [B*qlen, H] f32).
+    """
+
+    partials: Callable
+    combine: Callable
+
+
+_IMPLEMENTATIONS = {"xla": DecodeImplementation(mla_decode_partials_f32, merge_partials_bf16)}
 _KV_DTYPES = (jnp.float8_e4m3fn, jnp.uint8)
 
 
@@ -68,10 +86,9 @@ def mla_decode(
     args, kw = _prepare(
         op, q, kv, kv_indices, kv_indptr, qlen, k_scale, v_scale, sm_scale, validate
     )
-    resolve_implementation(op, implementation)
-    o_parts, lse_parts = mla_decode_partials_f32(*args, **kw, num_splits=num_splits or 1)
-    out, lse = merge_partials(o_parts, lse_parts)
-    out = out.astype(jnp.bfloat16)
+    impl = resolve_implementation(op, implementation, _IMPLEMENTATIONS)
+    o_parts, lse_parts = impl.partials(*args, **kw, num_splits=num_splits or 1)
+    out, lse = impl.combine(o_parts, lse_parts)
     return (out, lse) if return_lse else out
 
 
@@ -105,8 +122,8 @@ def mla_decode_partials(
     args, kw = _prepare(
         op, q, kv, kv_indices, kv_indptr, qlen, k_scale, v_scale, sm_scale, validate
     )
-    resolve_implementation(op, implementation)
-    o_parts, lse_parts = mla_decode_partials_f32(*args, **kw, num_splits=num_splits)
+    impl = resolve_implementation(op, implementation, _IMPLEMENTATIONS)
+    o_parts, lse_parts = impl.partials(*args, **kw, num_splits=num_splits)
     return o_parts.astype(jnp.bfloat16), lse_parts
 
 

@@ -19,6 +19,9 @@ from jax_sparse_mla.reference.sparse_mla import sparse_mla_xla
 
 DEFAULT_SM_SCALE = KV_DIM**-0.5
 
+# implementation name -> fn(q, kv, idx, indptr, sm_scale) -> (out bf16, lse f32)
+_IMPLEMENTATIONS = {"xla": sparse_mla_xla}
+
 
 def sparse_mla(
     q: jax.Array,
@@ -53,11 +56,11 @@ def sparse_mla(
     """
     op = "sparse_mla"
     _check_static(op, q, kv, idx, indptr)
-    resolve_implementation(op, implementation)
+    impl = resolve_implementation(op, implementation, _IMPLEMENTATIONS)
     scale = check_scalar(op, "sm_scale", DEFAULT_SM_SCALE if sm_scale is None else sm_scale)
     if validate:
         run_data_check(_check_data, kv, idx, indptr)
-    out, lse = sparse_mla_xla(q, kv, idx, indptr, scale)
+    out, lse = impl(q, kv, idx, indptr, scale)
     return (out, lse) if return_lse else out
 
 

@@ -15,10 +15,12 @@ from jax_sparse_mla._checks import (
 )
 from jax_sparse_mla._dispatch import resolve_implementation
 from jax_sparse_mla.formats import UQ_HEAD_DIM, check_ultraquant_cache
-from jax_sparse_mla.reference.attention import merge_partials
-from jax_sparse_mla.reference.ultraquant import ultraquant_decode_partials_f32
+from jax_sparse_mla.reference.ultraquant import ultraquant_decode_xla
 
 DEFAULT_SM_SCALE = 1.0 / 16.0
+
+# implementation name -> fn(q, cache, block_tables, seq_lens, *, sm_scale, num_partitions) -> bf16
+_IMPLEMENTATIONS = {"xla": ultraquant_decode_xla}
 
 
 def ultraquant_decode(
@@ -58,16 +60,14 @@ def ultraquant_decode(
     _check_static(op, q, cache, block_tables, seq_lens)
     check_positive_int(op, "num_partitions", num_partitions, allow_none=True)
     scale = check_scalar(op, "sm_scale", sm_scale)
-    resolve_implementation(op, implementation)
+    impl = resolve_implementation(op, implementation, _IMPLEMENTATIONS)
     if validate:
         run_data_check(
             _check_data, block_tables, seq_lens, np.int32(cache.shape[0]), np.int32(cache.shape[1])
         )
-    o_parts, lse_parts = ultraquant_decode_partials_f32(
+    return impl(
         q, cache, block_tables, seq_lens, sm_scale=scale, num_partitions=num_partitions or 1
     )
-    out, _ = merge_partials(o_parts, lse_parts)
-    return out.astype(jnp.bfloat16)
 
 
 def _check_static(op, q, cache, block_tables, seq_lens) -> None:

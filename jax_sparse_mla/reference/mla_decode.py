@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_sparse_mla.formats import LATENT_DIM
-from jax_sparse_mla.reference.attention import KeyTile, attend_tiles, ceil_div
+from jax_sparse_mla.reference.attention import KeyTile, attend_tiles, ceil_div, merge_partials
 from jax_sparse_mla.reference.sparse_mla import tile_size
 
 SPLIT_ALIGN = 128  # splits cover whole blocks of this many key positions
@@ -92,3 +92,9 @@ def mla_decode_partials_f32(
     o = o.reshape(b, s, qlen, h, LATENT_DIM).transpose(0, 2, 1, 3, 4).reshape(rows, s, h, -1)
     lse = lse.reshape(b, s, qlen, h).transpose(0, 2, 1, 3).reshape(rows, s, h)
     return o, lse
+
+
+def merge_partials_bf16(o_parts: jax.Array, lse_parts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The exact combine: partials merged in float32, out rounded once to bf16."""
+    o, lse = merge_partials(o_parts, lse_parts)
+    return o.astype(jnp.bfloat16), lse

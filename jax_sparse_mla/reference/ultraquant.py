@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_sparse_mla.formats import UQ_HEAD_DIM, _unpack_slots, ultraquant_rotate
-from jax_sparse_mla.reference.attention import KeyTile, attend_tiles, ceil_div
+from jax_sparse_mla.reference.attention import KeyTile, attend_tiles, ceil_div, merge_partials
 
 PARTITION_TILE = 128  # key positions per tile-group; partition p owns groups p, p + P, ...
 
@@ -59,3 +59,20 @@ def ultraquant_decode_partials_f32(
     q_rot = jnp.broadcast_to(q_rot, (bsz, p, hk, g, UQ_HEAD_DIM)).reshape(bsz * p, hk, g, -1)
     o, lse = attend_tiles(q_rot, num_tiles, load_tile, sm_scale)
     return o.reshape(bsz, p, hq, UQ_HEAD_DIM), lse.reshape(bsz, p, hq)
+
+
+def ultraquant_decode_xla(
+    q: jax.Array,
+    cache: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    sm_scale: jax.Array,
+    num_partitions: int,
+) -> jax.Array:
+    """Exact UltraQuant decode: the float32 partials merged in float32; [B, Hq, 256] bf16."""
+    o_parts, lse_parts = ultraquant_decode_partials_f32(
+        q, cache, block_tables, seq_lens, sm_scale=sm_scale, num_partitions=num_partitions
+    )
+    out, _ = merge_partials(o_parts, lse_parts)
+    return out.astype(jnp.bfloat16)
