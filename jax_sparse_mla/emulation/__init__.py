@@ -1,0 +1,1 @@
+"""jax-native emulations of the device kernels' own arithmetic (numerics studies, tight oracles)."""

@@ -1,0 +1,1 @@
+"""Kernels behind the ops: ``gfx950`` (FlyDSL, AMD MI355) and ``pallas`` (NVIDIA)."""

@@ -1,0 +1,769 @@
+"""gfx950 (MI355) FlyDSL kernels of ``mla_decode``: split-KV partials and their combine (seed 004).
+
+``jax_sparse_mla.emulation.mla_decode`` mirrors this arithmetic in jax (its docstring states the
+kernel-vs-emulation bound). Symbols: ``jsm_mla_decode_partials_q{1,2,4}`` and
+``jsm_mla_decode_combine``.
+
+Partials: request ``r``'s key positions ``j < seq_len = max(indptr[r+1] - indptr[r], 0)`` (key
+``kv_indices[indptr[r] + j]``) are cut into splits ``[s c, min((s + 1) c, seq_len))``,
+``c = 128 ceil(seq_len / (128 S))``. For each (request, split, query row) the kernel writes the
+split's softmax-normalized output (bf16) and natural-log LSE (f32; -inf and o = 0 without a
+visible key). Arithmetic, exactly (f32 unless said otherwise, ``c2 = (sm_scale k_scale) log2 e``):
+
+* q split per query row (576 dims): ``e`` = exponent bits of ``max|q|``; ``s = max(e - 7, 6)``
+  (E8M0); ``x = q 2^(127-s)`` (exact, in (-256, 256); subnormal q included);
+  ``hi = e4m3(x)``, ``lo = e4m3((x - hi) 32)`` (RNE, OCP e4m3fn).
+* Scores: ``S = sum_d code_d (hi_d 2^(s-127) + lo_d 2^(s-132))`` by 9 scaled fp8 MFMAs
+  16x16x128 per 16-key tile (the raw K codes with E8M0 scale 1 as A, q's hi and lo with their
+  E8M0 scales as B: each MFMA pairs 64 dims with their hi and their lo), f32 accumulation;
+  ``s = S c2`` (log2 units). A key is masked (``s = -1e30``) when its position is outside the
+  split, its index position outside ``[0, n_indices)``, its index outside ``[0, tokens)``, or it
+  is causally hidden (query position ``i`` sees ``j <= seq_len - qlen + i``).
+* Online softmax per 128-key block: ``m' = max(m, block max)`` (``m = -1e30`` at first),
+  ``m8 = max(m' - 8, -1e20)``, ``alpha = exp2(m - m')``, ``P = exp2(s - m8)`` (``<= 2^8``),
+  ``l' = l alpha + sum P``, ``O' = O alpha + sum_k (hi_k + lo_k / 32) V_k`` with
+  ``hi = e4m3(P)``, ``lo = e4m3((P - hi) 32)`` and V the raw e4m3 codes (fp8 MFMAs, lo with
+  E8M0 scale 2^-5, f32 accumulation). k_scale enters through ``c2``, v_scale at the end.
+* ``o = bf16(O (v_scale / l))`` (RNE), ``lse = (m8 + log2 l) ln 2``; ``l == 0``: o = 0, -inf.
+  ``exp2`` / ``log2`` are the hardware ``v_exp_f32`` / ``v_log_f32``.
+
+Work decomposition: a 512-thread CTA (8 waves) per (head group, split, request): 16 query rows
+(row ``n``: head ``hg * 16 / qlen + n // qlen``, position ``n % qlen``). Per 128-key block, wave
+``w`` owns keys ``[16w, 16w + 16)``: it DMAs their K rows (``global_load_lds``, 64-bit
+addresses; a masked key is never read, its slot keeps finite bytes: the slots are zeroed first)
+into the other of two LDS slots one block ahead, computes their scores ``S^T = K Q^T``, and the
+block's row max goes through LDS; P's hi and lo go to LDS; then wave ``w`` accumulates latents
+``[64w, 64w + 64)`` over the whole block: ``O^T += V^T P^T``, V^T read straight from the slot by
+``ds_read_b64_tr_b8`` (assumed semantics: within each 16-lane row, destination lane ``t`` byte
+``k`` is source lane ``2k + t // 8``'s byte ``t % 8``). At the end l is summed over the waves.
+Index reads go through a buffer descriptor sized to ``kv_indices``.
+
+LDS (bytes, static, 152576 in all, so one CTA per CU): two K slots ``[128 keys][576 B]`` at 0 and
+73728 (16-B chunk ``c`` of key ``k`` stored at chunk ``c ^ ((k >> 2) & 3)``), P ``[hi, lo]
+[16 rows][144 B]`` (keys at bytes 0..127) at 147456, row maxima / final l ``[16 rows][8 waves]``
+f32 at 152064. Design occupancy: 2 waves per SIMD (8 waves per CU; ``waves_per_eu`` 2).
+
+Synchronization: three bare ``s_barrier`` per block (top: this block's DMA landed, after the
+row maxima, after P) with explicit waits; the DMA's LDS writes carry their own alias scope, so
+the compiler does not wait for the next block's DMA before this block's LDS accesses. The CTAs
+of one (split, request) run on one XCD (block ids ``8 k + x`` go to XCD ``x``: round-robin
+dispatch assumed), so a split's K rows come from HBM once per XCD L2.
+
+Relative to the seed: no warp specialization (WSPEC: every wave does the QK of its 16 keys and
+the PV of its 64 latents each block), a block's DMA is issued at once at the top of the block
+before (not spread over it) and waited for at once, q is split from global memory per lane
+(not staged in LDS), the index stream is read per lane (no LDS index staging), and q's
+power-of-two scale rides in the MFMA's E8M0 scales (the seed scales q by ``2^k`` and runs the
+unscaled MFMA; the products are the same).
+
+Partials launch ABI (``launch(*tensors, *scalars, stream)``; packed ``void **args``: per tensor
+``&data_ptr`` then ``&layout`` (an int32 shape, unused), then each scalar by pointer, then
+``&stream``). Tensors are flat 1-D, contiguous:
+
+0. ``q``: bf16 ``[B * qlen, H, 576]``.   1. ``kv``: uint8 e4m3fn codes ``[tokens, 576]``
+   (64-bit addressing; may exceed 4 GiB).   2. ``kv_indices``: int32 ``[n_indices]``.
+3. ``kv_indptr``: int32 ``[B + 1]``.   4. ``o_parts``: bf16 ``[B * qlen, S, H, 512]``.
+5. ``lse_parts``: f32 ``[B * qlen, S, H]``.
+
+Scalars: ``num_requests`` B, ``num_heads`` H, ``num_splits`` S, ``n_indices``, ``tokens``
+(int32, all >= 0, B, H, S >= 1), ``k_scale``, ``v_scale``, ``sm_scale`` (f32). Grid
+``(8 G ceil(B S / 8), 1, 1)`` with ``G = ceil(H qlen / 16)`` head groups, block ``(512, 1, 1)``.
+Preconditions: ``n_indices < 2^29``, ``kv_indptr`` entries in ``[0, 2^30)``, scores finite
+(``|s| < 1e20``).
+
+Combine launch ABI: tensors ``o_parts`` bf16 ``[n, S, H, 512]``, ``lse_parts`` f32 ``[n, S, H]``,
+``out`` bf16 ``[n, H, 512]``, ``lse`` f32 ``[n, H]``; scalars ``num_rows`` (= n H),
+``num_heads`` H, ``num_splits`` S (int32, >= 1). Grid ``(ceil(n H / 4), 1, 1)``, block
+``(256, 1, 1)``: wave ``w`` of CTA ``b`` merges row ``4b + w``, lane ``L`` dims
+``[8L, 8L + 8)``: ``m = max_s lse_s``, ``w_s = exp2((lse_s - m) log2 e)``,
+``o = bf16(sum_s (w_s > 0 ? w_s o_s : 0) / sum_s w_s)`` (sums left to right),
+``lse = m + log2(sum w) ln 2``; all -inf: o = 0, lse = -inf. Design occupancy 8 waves per SIMD.
+"""
+
+import dataclasses
+import math
+
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+import torch
+from flydsl._mlir import ir
+from flydsl._mlir.dialects import llvm
+from flydsl.expr import range_constexpr, rocdl
+from flydsl.expr.typing import T
+from flydsl.expr.typing import Vector as Vec
+
+KV_DIM = 576  # K = all 576 codes of a row; V = its first 512
+LATENT = 512
+BLOCK = 128  # keys per block
+ROWS = 16  # query rows per CTA
+WAVES = 8
+THREADS = 64 * WAVES
+TILE = BLOCK // WAVES  # keys per wave per block
+QK_STEPS = KV_DIM // 64  # MFMAs per tile: each pairs 64 dims with q's hi and lo
+LAT_TILES = LATENT // WAVES // 16  # 16-latent output tiles per wave
+
+SLOT_BYTES = BLOCK * KV_DIM  # 73728
+LDS_P = 2 * SLOT_BYTES  # P [hi, lo][16 rows][P_ROW]
+P_ROW = BLOCK + 16  # padded row of P bytes
+P_LO = ROWS * P_ROW
+LDS_MAX = LDS_P + 2 * P_LO  # f32 [16 rows][8 waves]
+LDS_BYTES = LDS_MAX + ROWS * WAVES * 4
+
+P_SHIFT = 8.0  # P = exp2(s - m + 8) <= 2^8
+NEG_BIG = -1.0e30  # masked score
+M_FLOOR = -1.0e20  # exp2(NEG_BIG - M_FLOOR) = 0 while every key so far is masked
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+E8M0_ONE = 127
+Q_SCALE_MIN = 6  # smallest hi E8M0 byte (the lo one, s - 5, stays >= 1)
+LO_SHIFT = 5  # lo = e4m3(residual * 2^5), E8M0 scale of the lo operand: byte - 5
+PARTIALS_WAVES_PER_EU = 2
+COMBINE_WAVES = 4
+COMBINE_WAVES_PER_EU = 8
+_BUFFER_FLAGS = (7 << 12) | (4 << 15)  # CDNA raw buffer descriptor word 3
+QLENS = (1, 2, 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One compiled kernel: the partials for ``qlen`` query positions a request, or the combine."""
+
+    kernel: str  # "mla_decode_partials" or "mla_decode_combine"
+    qlen: int = 0  # partials only: 1, 2 or 4 (16 / qlen heads per CTA)
+
+    @property
+    def symbol(self) -> str:
+        suffix = f"_q{self.qlen}" if self.kernel == "mla_decode_partials" else ""
+        return f"jsm_{self.kernel}{suffix}"
+
+    @property
+    def design_waves_per_simd(self) -> int:
+        if self.kernel == "mla_decode_partials":
+            return PARTIALS_WAVES_PER_EU
+        return COMBINE_WAVES_PER_EU
+
+
+CONFIGS: tuple[Config, ...] = tuple(Config("mla_decode_partials", q) for q in QLENS) + (
+    Config("mla_decode_combine"),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small device helpers (straight-line code)
+# ---------------------------------------------------------------------------------------------
+
+
+def _raw(x) -> ir.Value:
+    """The MLIR value of a DSL value."""
+    return x.ir_value() if hasattr(x, "ir_value") else x
+
+
+def _i32(x) -> fx.Int32:
+    return fx.Int32(_raw(x))
+
+
+def _f32(x) -> fx.Float32:
+    return fx.Float32(_raw(x))
+
+
+def _uniform(x) -> fx.Int32:
+    """readfirstlane: an SGPR copy of a wave-uniform i32."""
+    return fx.Int32(rocdl.readfirstlane(T.i32, _raw(fx.Int32(x))))
+
+
+def _base(tensor) -> fx.Int64:
+    """64-bit byte address of a tensor's data."""
+    return fx.Int64(fx.ptrtoint(fx.get_iter(tensor)))
+
+
+def _global_ptr(addr):
+    """!llvm.ptr<1> at a 64-bit byte address."""
+    return llvm.inttoptr(ir.Type.parse("!llvm.ptr<1>"), _raw(fx.Int64(addr)))
+
+
+def _lds_ptr(addr):
+    """!llvm.ptr<3> at a 32-bit LDS byte address."""
+    return llvm.inttoptr(ir.Type.parse("!llvm.ptr<3>"), _raw(fx.Int32(addr)))
+
+
+def _load_global(addr, words: int, elem=None, align: int = 0) -> Vec:
+    """``words`` 32-bit elements (i32, or ``elem``) at a 64-bit global byte address aligned to
+    ``align`` bytes (default ``4 * words``)."""
+    ty = T.vec(words, T.i32 if elem is None else elem)
+    return Vec(llvm.LoadOp(ty, _global_ptr(addr), alignment=align or 4 * words).result)
+
+
+def _store_global(addr, value, align: int) -> None:
+    llvm.StoreOp(_raw(value), _global_ptr(addr), alignment=align)
+
+
+def _dma_scope():
+    """Alias-scope list naming the K-slot DMA: ``alias_scopes`` of the DMA, ``noalias_scopes``
+    of every other LDS access. Without it the compiler waits for all in-flight DMA before any
+    LDS access; the kernel orders DMA and reads itself (vmcnt wait + barrier per block)."""
+    domain = '#llvm.alias_scope_domain<id = "jsm.mla_decode.lds">'
+    return ir.Attribute.parse(f'[#llvm.alias_scope<id = "jsm.kv_dma", domain = {domain}>]')
+
+
+def _load_lds(addr, words: int, elem=None) -> Vec:
+    """``words`` 32-bit elements (i32, or ``elem``) from LDS; ``4 * words``-byte aligned."""
+    ty = T.vec(words, T.i32 if elem is None else elem)
+    op = llvm.LoadOp(ty, _lds_ptr(addr), alignment=4 * words, noalias_scopes=_dma_scope())
+    return Vec(op.result)
+
+
+def _store_lds(addr, value, align: int) -> None:
+    llvm.StoreOp(_raw(value), _lds_ptr(addr), alignment=align, noalias_scopes=_dma_scope())
+
+
+def _barrier(lgkm: bool = False, vm: bool = False) -> None:
+    """s_barrier after waiting for this wave's LDS ops (``lgkm``) and loads / DMA (``vm``).
+
+    A bare barrier (no memory fence: a fence would also wait for the next block's DMA, which
+    is meant to fly across the whole block); the waits that make data visible are explicit.
+    """
+    if lgkm or vm:
+        rocdl.s_waitcnt(lgkmcnt=0 if lgkm else None, vmcnt=0 if vm else None)
+    rocdl.sched_barrier(0)
+    rocdl.s_barrier()
+    rocdl.sched_barrier(0)
+
+
+def _cat(a, b) -> Vec:
+    """Concatenation of two vectors."""
+    a, b = Vec(a), Vec(b)
+    return a.shuffle(b, list(range(a.numel + b.numel)))
+
+
+def _fmax(a, b) -> fx.Float32:
+    return _f32(fx.maxnumf(_f32(a), _f32(b)))
+
+
+def _swap(op, x) -> tuple:
+    """permlane16/32_swap of an i32 with itself: the two values of the exchanged pair."""
+    pair = ir.Type.parse("!llvm.struct<(i32, i32)>")
+    res = op(pair, _raw(x), _raw(x), False, False)
+    return tuple(_i32(llvm.extractvalue(T.i32, res, [k])) for k in (0, 1))
+
+
+def _group_max(x) -> fx.Float32:
+    """f32 max over the 4 lane groups (rows of 16 lanes) sharing lane % 16."""
+    a, b = _swap(rocdl.permlane16_swap, _f32(x).bitcast(fx.Int32))
+    m = _fmax(a.bitcast(fx.Float32), b.bitcast(fx.Float32))
+    a, b = _swap(rocdl.permlane32_swap, m.bitcast(fx.Int32))
+    return _fmax(a.bitcast(fx.Float32), b.bitcast(fx.Float32))
+
+
+def _group_sum(x) -> fx.Float32:
+    """f32 sum over the 4 lane groups sharing lane % 16."""
+    a, b = _swap(rocdl.permlane16_swap, _f32(x).bitcast(fx.Int32))
+    s = a.bitcast(fx.Float32) + b.bitcast(fx.Float32)
+    a, b = _swap(rocdl.permlane32_swap, s.bitcast(fx.Int32))
+    return a.bitcast(fx.Float32) + b.bitcast(fx.Float32)
+
+
+def _exp2(x) -> fx.Float32:
+    return _f32(rocdl.exp2(T.f32, _raw(_f32(x))))
+
+
+def _log2(x) -> fx.Float32:
+    return _f32(rocdl.log(T.f32, _raw(_f32(x))))
+
+
+def _fp8x4(vals) -> fx.Int32:
+    """4 f32 -> one i32 of e4m3fn codes (RNE), byte i = vals[i]."""
+    word = rocdl.cvt_pk_fp8_f32(T.i32, _f32(vals[0]), _f32(vals[1]), fx.Int32(0), False)
+    return _i32(rocdl.cvt_pk_fp8_f32(T.i32, _f32(vals[2]), _f32(vals[3]), word, True))
+
+
+def _fp8x4_values(word) -> list:
+    """One i32 of e4m3fn codes -> 4 exact f32."""
+    out = []
+    for hi in (False, True):
+        pair = Vec(rocdl.cvt_pk_f32_fp8(T.vec(2, T.f32), _raw(word), hi))
+        out += [_f32(pair[0]), _f32(pair[1])]
+    return out
+
+
+def _split_fp8(x) -> tuple:
+    """4 f32 ``x`` (|x| <= 256) -> (hi, lo) words: ``hi = e4m3(x)``, ``lo = e4m3((x - hi) 32)``."""
+    hi = _fp8x4(x)
+    dec = _fp8x4_values(hi)
+    return hi, _fp8x4([(x[k] - dec[k]) * float(1 << LO_SHIFT) for k in range(4)])
+
+
+def _mfma_fp8(a, b, acc, scale_a, scale_b) -> Vec:
+    """acc += (A 2^(scale_a - 127)) (B 2^(scale_b - 127)), 16x16x128 e4m3 x e4m3, E8M0 scales."""
+    ops = [a, b, acc, 0, 0, 0, _i32(scale_a), 0, _i32(scale_b)]
+    return Vec(rocdl.mfma_scale_f32_16x16x128_f8f6f4(T.vec(4, T.f32), ops))
+
+
+def _pin(x) -> fx.Int32:
+    """``x`` through an empty side-effecting asm: computed here, in program order (the compiler
+    may not sink it towards its use, e.g. into the loop or next to a branch)."""
+    return _i32(llvm.inline_asm(T.i32, [_raw(_i32(x))], "", "=v,0", has_side_effects=True))
+
+
+def _q_operands(q_lane, row_ok, g) -> tuple:
+    """The q split of this lane's query row: the B operands of the 9 QK steps and their E8M0.
+
+    Lane (row, group g) holds dims ``64 s + 32 (g & 1) + [0, 32)`` of the row's hi (g < 2) or
+    lo (g >= 2) for step s, bytes in dim order; ``q_lane`` is the byte address of dim
+    ``32 (g & 1)`` of the row. The scale is ``s`` for even g (hi), ``s - 5`` for odd g (lo).
+    Two passes over the row (the max exponent, then the split one step at a time, re-loading
+    with volatile loads) keep the prologue's registers few.
+    """
+
+    def step_words(s, volatile: bool) -> list:
+        """The 16 dwords (32 bf16, dim order) of step s; zeros for a row beyond the heads."""
+        out = []
+        for k in range_constexpr(4):
+            ptr = _global_ptr(q_lane + (64 * s + 8 * k) * 2)
+            v = Vec(llvm.LoadOp(T.vec(4, T.i32), ptr, alignment=16, volatile_=volatile).result)
+            out += [row_ok.select(_i32(v[e]), fx.Int32(0)) for e in range(4)]
+        return out
+
+    expo = fx.Int32(0)
+    for s in range_constexpr(QK_STEPS):
+        for d in step_words(s, False):
+            expo = fx.max(expo, fx.max((d >> 7) & 0xFF, (d >> 23) & 0xFF))
+    pa, pb = _swap(rocdl.permlane16_swap, expo)  # the other half of the row: lane group g ^ 1
+    q_s = fx.max(fx.max(pa, pb) - 7, fx.Int32(Q_SCALE_MIN))
+    inv = ((254 - q_s) << 23).bitcast(fx.Float32)
+    take_hi = g < 2
+    ops = []
+    for s in range_constexpr(QK_STEPS):
+        words = step_words(s, True)
+        op_words = []
+        for k in range_constexpr(8):
+            x = []
+            for d in words[2 * k : 2 * k + 2]:
+                x += [(d << 16).bitcast(fx.Float32) * inv, (d & -65536).bitcast(fx.Float32) * inv]
+            hw, lw = _split_fp8(x)
+            op_words.append(_pin(take_hi.select(hw, lw)))
+        ops.append(Vec.from_elements(op_words, fx.Int32))
+    return ops, ((g & 1) == 0).select(q_s, q_s - LO_SHIFT)
+
+
+def _k_offsets(w, t, g) -> list:
+    """Slot byte offsets of lane (t, g)'s two 16-B halves of QK step 0's A operand (+64 per
+    step): key ``16w + t``, logical chunks ``2 (g & 1)`` and ``2 (g & 1) + 1`` (swizzled)."""
+    row = (TILE * w + t) * KV_DIM
+    return [row + _swizzle(t, 2 * (g & 1) + h) * 16 for h in range(2)]
+
+
+def _v_offset(w, t, g, jt, r):
+    """Slot byte offset of lane (t, g)'s ``ds_read_b64_tr_b8`` r (0..3) of latent tile jt.
+
+    The 16-lane row g reads keys ``32 g + 8 r + [0, 8)`` (lane t: key ``32 g + 8 r + t // 2``,
+    bytes ``8 (t & 1) + [0, 8)``) of the 16 latents ``64 w + 16 jt + [0, 16)``, so lane t gets
+    latent ``64 w + 16 jt + t`` of those 8 keys: A operand bytes ``8 r + [0, 8)`` = keys
+    ``32 g + 8 r + [0, 8)``. The chunk swizzle of key ``k`` XORs chunk ``4 w + jt`` with
+    ``(k >> 2) & 3 = 2 (r & 1) + t // 8``: a compile-time part and a per-lane +-16 B.
+    """
+    jj = jt ^ (2 * (r & 1))
+    sign = -1 if jj & 1 else 1
+    row = (32 * g + (t >> 1)) * KV_DIM + 8 * KV_DIM * r
+    return row + 64 * w + 16 * jj + sign * 16 * (t >> 3) + 8 * (t & 1)
+
+
+def _p_write_offset(w, t, g):
+    """Byte offset (in P's hi rows) of row t's P of keys ``16w + 4g + [0, 4)``."""
+    return t * P_ROW + w * TILE + 4 * g
+
+
+def _p_read_offset(t, g):
+    """Byte offset of row t's P of keys ``32g + [0, 32)``: the B operand of the PV MFMAs."""
+    return t * P_ROW + 32 * g
+
+
+def _dma_lanes(lane) -> tuple:
+    """For DMA instruction i of a wave (LDS bytes ``1024 i + [0, 1024)`` of its 16-key tile):
+    the byte index of the lane holding this lane's key (a ``ds_bpermute`` source) and the byte
+    offset of the key row's chunk this lane copies (its LDS chunk, unswizzled)."""
+    chunks = KV_DIM // 16
+    src, off = [], []
+    for i in range_constexpr(TILE * KV_DIM // 1024):
+        p = 64 * i + lane
+        key = p // chunks
+        src.append(key * 4)
+        off.append(_swizzle(key, p % chunks) * 16)
+    return src, off
+
+
+def _tr8(addr) -> Vec:
+    """ds_read_b64_tr_b8: 8 bytes, transposed within each 16-lane row (module docstring)."""
+    op = rocdl.ds_read_tr8_b64(T.vec(2, T.i32), _lds_ptr(addr), noalias_scopes=_dma_scope())
+    return Vec(op.result)
+
+
+def _buffer_rsrc(base, nbytes):
+    """Raw buffer descriptor over ``nbytes`` at ``base``: reads past the end return 0."""
+    return rocdl.make_buffer_rsrc(
+        ir.Type.parse("!llvm.ptr<8>"),
+        _global_ptr(base),
+        _raw(fx.Int16(0)),
+        _raw(fx.Int64(nbytes)),
+        _raw(fx.Int32(_BUFFER_FLAGS)),
+    )
+
+
+def _swizzle(key, chunk):
+    """LDS 16-B chunk of logical chunk ``chunk`` of slot key ``key``: low 2 bits XOR (key>>2)&3."""
+    return chunk ^ ((key >> 2) & 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Partials kernel
+# ---------------------------------------------------------------------------------------------
+
+
+def build_partials_launcher(qlen: int):
+    """The ``flyc.jit`` launcher of the partials kernel for ``qlen`` (module docstring: ABI)."""
+    if qlen not in QLENS:
+        raise ValueError(f"qlen must be one of {QLENS}, got {qlen}")
+    heads_per_cta = ROWS // qlen
+
+    @fx.struct
+    class Smem:
+        raw: fx.Array[fx.Uint8, LDS_BYTES, 16]
+
+    @flyc.kernel(name=Config("mla_decode_partials", qlen).symbol, known_block_size=[THREADS, 1, 1])
+    def partials_kernel(
+        Q: fx.Tensor,
+        KV: fx.Tensor,
+        IDX: fx.Tensor,
+        IPTR: fx.Tensor,
+        OP: fx.Tensor,
+        LP: fx.Tensor,
+        num_requests: fx.Int32,
+        num_heads: fx.Int32,
+        num_splits: fx.Int32,
+        n_indices: fx.Int32,
+        tokens: fx.Int32,
+        k_scale: fx.Float32,
+        v_scale: fx.Float32,
+        sm_scale: fx.Float32,
+    ):
+        tid = fx.Int32(fx.thread_idx.x)
+        w = _uniform(tid >> 6)
+        lane = tid & 63
+        t = lane & 15  # QK: key of the wave's tile; S, P, O: query row
+        g = lane >> 4  # lane group
+
+        # ---- work item: XCD x = bid % 8 serves items x, x + 8, ..., each as G consecutive CTAs
+        groups = (num_heads + (heads_per_cta - 1)) // heads_per_cta
+        bid = fx.Int32(fx.block_idx.x)
+        k_xcd = bid >> 3
+        item = _uniform((k_xcd // groups) * 8 + (bid & 7))
+        hg = _uniform(k_xcd % groups)
+        if item < num_requests * num_splits:
+            req = item // num_splits
+            split = item - req * num_splits
+
+            q_base, kv_base, idx_base = _base(Q), _base(KV), _base(IDX)
+            op_base, lp_base = _base(OP), _base(LP)
+            lds = fx.SharedAllocator().allocate(Smem).peek()
+            lds0 = _uniform(fx.ptrtoint(lds.raw.ptr))
+
+            # ---- the split's key positions [lo, hi) and its block count
+            bounds = _load_global(_base(IPTR) + fx.Int64(req) * 4, 2, align=4)
+            start = _uniform(bounds[0])
+            seq_len = fx.max(_uniform(bounds[1]) - start, fx.Int32(0))
+            per = BLOCK * num_splits
+            chunk = ((seq_len + (per - 1)) // per) * BLOCK
+            lo = split * chunk
+            hi = fx.min(lo + chunk, seq_len)
+            nb = (fx.max(hi - lo, fx.Int32(0)) + (BLOCK - 1)) >> 7
+            nb = ((n_indices > 0) & (tokens > 0)).select(nb, fx.Int32(0))
+            idx_rsrc = _buffer_rsrc(idx_base, fx.Int64(n_indices) * 4)
+
+            # ---- this lane's query row n = t: head and position, causal bound
+            head = hg * heads_per_cta + t // qlen
+            pos_i = t % qlen
+            row_ok = head < num_heads
+            bound = seq_len - qlen + pos_i
+            qrow = req * qlen + pos_i
+            q_lane = (
+                q_base
+                + (
+                    fx.Int64(qrow * num_heads + fx.min(head, num_heads - 1)) * KV_DIM
+                    + fx.Int64(32 * (g & 1))
+                )
+                * 2
+            )
+            c2 = (sm_scale * k_scale) * LOG2E
+
+            q_ops, q_scale_b = _q_operands(q_lane, row_ok, g)
+
+            # ---- per-lane LDS addresses, relative to a slot (or to lds0)
+            k_rd = _k_offsets(w, t, g)
+            p_wr = lds0 + LDS_P + _p_write_offset(w, t, g)
+            p_rd = lds0 + LDS_P + _p_read_offset(t, g)
+            mx_wr = lds0 + LDS_MAX + t * (WAVES * 4) + 4 * w
+            mx_rd = lds0 + LDS_MAX + t * (WAVES * 4)
+            dma_from, dma_chunk = _dma_lanes(lane)
+
+            def load_index(blk):
+                """Raw kv_indices entry of this lane's key (16w + t) of block blk."""
+                pos = start + lo + blk * BLOCK + w * TILE + t
+                v = rocdl.raw_ptr_buffer_load(
+                    T.i32, idx_rsrc, _raw(pos * 4), _raw(fx.Int32(0)), aux=0
+                )
+                return _i32(v)
+
+            def check_index(raw, blk):
+                """The key's cache row, or -1 when it is masked."""
+                j = lo + blk * BLOCK + w * TILE + t
+                pos = start + j
+                ok = (j < hi) & (pos >= 0) & (pos < n_indices)
+                ok = ok & (fx.Uint32(_raw(raw)) < fx.Uint32(_raw(tokens)))
+                return ok.select(raw, fx.Int32(-1))
+
+            def dma(key, blk):
+                """K rows of this wave's 16 keys of block blk -> its slot (masked keys skipped).
+
+                Every lane first fetches the cache row of the key it copies for each of the 9
+                DMA instructions (``ds_bpermute`` from the lane that loaded the index), all
+                before the first DMA (pinned: not sunk next to their branches), so the
+                exchanges overlap.
+                """
+                dst = lds0 + (blk & 1) * SLOT_BYTES + w * (TILE * KV_DIM)
+                rows = [_pin(rocdl.ds_bpermute(T.i32, src, key)) for src in dma_from]
+                for i in range_constexpr(len(rows)):
+                    if rows[i] >= 0:
+                        src = kv_base + fx.Int64(rows[i]) * KV_DIM + fx.Int64(dma_chunk[i])
+                        rocdl.global_load_lds(
+                            _global_ptr(src), _lds_ptr(_uniform(dst + 1024 * i)), 16, 0,
+                            alias_scopes=_dma_scope(),
+                        )  # fmt: skip
+
+            # Zero both slots (a masked key's slot then holds finite bytes), then block 0's DMA.
+            zero4 = Vec.filled(4, 0, fx.Int32)
+            for i in range_constexpr(2 * SLOT_BYTES // (16 * THREADS)):
+                _store_lds(lds0 + (i * THREADS + tid) * 16, zero4, 16)
+            _barrier(lgkm=True)
+            key_cur = check_index(load_index(0), 0)
+            dma(key_cur, 0)
+            raw_next = load_index(1)
+
+            m_run = fx.Float32(NEG_BIG)
+            l_run = fx.Float32(0.0)
+            o_acc = [Vec.filled(4, 0.0, fx.Float32) for _ in range(LAT_TILES)]
+            for blk_i in range(nb):
+                blk = fx.Int32(blk_i)
+                slot = lds0 + (blk & 1) * SLOT_BYTES
+                # Block blk's K rows (own DMA) and the next indices have landed; every wave's
+                # DMA is visible and every wave is done with the other slot.
+                _barrier(vm=True)
+                key_next = check_index(raw_next, blk + 1)
+                dma(key_next, blk + 1)
+                raw_next = load_index(blk + 2)
+                # bit k: key 16w + k of the block is unmasked
+                live = fx.Int32(fx.Int64(rocdl.ballot(T.i64, _raw(key_cur >= 0))))
+
+                # ---- S^T = K Q^T: lane (row t, group g) gets keys 16w + 4g + r
+                acc = Vec.filled(4, 0.0, fx.Float32)
+                for s in range_constexpr(QK_STEPS):
+                    ka = _cat(_load_lds(slot + k_rd[0] + 64 * s, 4),
+                              _load_lds(slot + k_rd[1] + 64 * s, 4))  # fmt: skip
+                    acc = _mfma_fp8(ka, q_ops[s], acc, E8M0_ONE, q_scale_b)
+                sl = []
+                for r in range_constexpr(4):
+                    kpos = lo + blk * BLOCK + w * TILE + 4 * g + r
+                    vis = (((live >> (4 * g + r)) & 1) != 0) & (kpos <= bound)
+                    sl.append(vis.select(_f32(acc[r]) * c2, fx.Float32(NEG_BIG)))
+                tmax = _fmax(_fmax(sl[0], sl[1]), _fmax(sl[2], sl[3]))
+                _store_lds(mx_wr, _group_max(tmax), 4)
+                _barrier(lgkm=True)
+
+                # ---- online softmax over the block's maxima of all waves
+                mx = [_load_lds(mx_rd + 16 * k, 4, T.f32) for k in range(2)]
+                m_new = m_run
+                for k in range_constexpr(WAVES):
+                    m_new = _fmax(m_new, mx[k // 4][k % 4])
+                m8 = _fmax(m_new - P_SHIFT, fx.Float32(M_FLOOR))
+                alpha = _exp2(m_run - m_new)
+                pl = [_exp2(x - m8) for x in sl]
+                l_run = l_run * alpha + ((pl[0] + pl[1]) + (pl[2] + pl[3]))
+                m_run = m_new
+                o_acc = [
+                    Vec.from_elements([_f32(v[k]) * alpha for k in range(4)], fx.Float32)
+                    for v in o_acc
+                ]
+                p_hi, p_lo = _split_fp8(pl)
+                _store_lds(p_wr, p_hi, 4)
+                _store_lds(p_wr + P_LO, p_lo, 4)
+                _barrier(lgkm=True)
+
+                # ---- O^T += V^T P^T over the block; lane group g: keys 32g + [0, 32)
+                b_hi = _cat(_load_lds(p_rd, 4), _load_lds(p_rd + 16, 4))
+                b_lo = _cat(_load_lds(p_rd + P_LO, 4), _load_lds(p_rd + P_LO + 16, 4))
+                for jt in range_constexpr(LAT_TILES):
+                    va = None
+                    for r in range_constexpr(4):
+                        part = _tr8(slot + _v_offset(w, t, g, jt, r))
+                        va = part if va is None else _cat(va, part)
+                    o_acc[jt] = _mfma_fp8(va, b_hi, o_acc[jt], E8M0_ONE, E8M0_ONE)
+                    o_acc[jt] = _mfma_fp8(va, b_lo, o_acc[jt], E8M0_ONE, E8M0_ONE - LO_SHIFT)
+                key_cur = key_next
+
+            # ---- epilogue: l over the waves, o = O v_scale / l, lse
+            _store_lds(mx_wr, _group_sum(l_run), 4)
+            _barrier(lgkm=True, vm=True)
+            lv = [_load_lds(mx_rd + 16 * k, 4, T.f32) for k in range(2)]
+            l_tot = _f32(lv[0][0])
+            for k in range_constexpr(1, WAVES):
+                l_tot = l_tot + _f32(lv[k // 4][k % 4])
+            has_l = l_tot > 0.0
+            scale = has_l.select(v_scale / l_tot, fx.Float32(0.0))
+            out_row = (fx.Int64(qrow) * fx.Int64(num_splits) + fx.Int64(split)) * fx.Int64(
+                num_heads
+            ) + fx.Int64(fx.min(head, num_heads - 1))
+            o_lane = op_base + (out_row * LATENT + fx.Int64(w * 64 + 4 * g)) * 2
+            res = [
+                Vec.from_elements([_f32(v[k]) * scale for k in range(4)], fx.Float32).to(
+                    fx.BFloat16
+                )
+                for v in o_acc
+            ]
+            if row_ok:
+                for jt in range_constexpr(LAT_TILES):
+                    _store_global(o_lane + 32 * jt, res[jt].bitcast(fx.Int32), 8)
+            m8 = _fmax(m_run - P_SHIFT, fx.Float32(M_FLOOR))
+            lse = has_l.select(
+                (m8 + _log2(has_l.select(l_tot, fx.Float32(1.0)))) * LN2,
+                fx.Float32(float("-inf")),
+            )
+            if row_ok & (w == 0) & (g == 0):
+                _store_global(lp_base + out_row * 4, lse, 4)
+
+    @flyc.jit
+    def launch(
+        Q: fx.Tensor,
+        KV: fx.Tensor,
+        IDX: fx.Tensor,
+        IPTR: fx.Tensor,
+        OP: fx.Tensor,
+        LP: fx.Tensor,
+        num_requests: fx.Int32,
+        num_heads: fx.Int32,
+        num_splits: fx.Int32,
+        n_indices: fx.Int32,
+        tokens: fx.Int32,
+        k_scale: fx.Float32,
+        v_scale: fx.Float32,
+        sm_scale: fx.Float32,
+        stream: fx.Stream = fx.Stream(None),  # noqa: B008
+    ):
+        groups = (num_heads + (heads_per_cta - 1)) // heads_per_cta
+        items = (num_requests * num_splits + 7) // 8
+        partials_kernel(
+            Q, KV, IDX, IPTR, OP, LP, num_requests, num_heads, num_splits, n_indices, tokens,
+            k_scale, v_scale, sm_scale,
+        ).launch(grid=(8 * groups * items, 1, 1), block=(THREADS, 1, 1), stream=stream)  # fmt: skip
+
+    launch.compile_hints = {"waves_per_eu": PARTIALS_WAVES_PER_EU, "fast_fp_math": False}
+    return launch
+
+
+# ---------------------------------------------------------------------------------------------
+# Combine kernel
+# ---------------------------------------------------------------------------------------------
+
+
+def build_combine_launcher():
+    """The ``flyc.jit`` launcher of the combine kernel (module docstring: ABI)."""
+
+    symbol = Config("mla_decode_combine").symbol
+
+    @flyc.kernel(name=symbol, known_block_size=[64 * COMBINE_WAVES, 1, 1])
+    def combine_kernel(
+        OP: fx.Tensor,
+        LP: fx.Tensor,
+        OUT: fx.Tensor,
+        LOUT: fx.Tensor,
+        num_rows: fx.Int32,
+        num_heads: fx.Int32,
+        num_splits: fx.Int32,
+    ):
+        tid = fx.Int32(fx.thread_idx.x)
+        row = _uniform(fx.Int32(fx.block_idx.x) * COMBINE_WAVES + (tid >> 6))
+        lane = tid & 63
+        if row < num_rows:
+            n_i = row // num_heads
+            head = row - n_i * num_heads
+            first = fx.Int64(n_i) * fx.Int64(num_splits) * fx.Int64(num_heads) + fx.Int64(head)
+            lse_at = _base(LP) + first * 4
+            o_at = _base(OP) + (first * LATENT + fx.Int64(8 * lane)) * 2
+            stride = fx.Int64(num_heads)
+            m = fx.Float32(float("-inf"))
+            for s in range(num_splits):
+                m = _fmax(m, _load_global(lse_at + fx.Int64(s) * stride * 4, 1, T.f32)[0])
+            empty = m == float("-inf")
+            m_ref = empty.select(fx.Float32(0.0), m)
+            acc = [fx.Float32(0.0)] * 8
+            total = fx.Float32(0.0)
+            for s in range(num_splits):
+                lse_s = _f32(_load_global(lse_at + fx.Int64(s) * stride * 4, 1, T.f32)[0])
+                w_s = _exp2((lse_s - m_ref) * LOG2E)
+                o_s = _load_global(o_at + fx.Int64(s) * stride * (LATENT * 2), 4)
+                o_s = o_s.bitcast(fx.BFloat16).to(fx.Float32)
+                live = w_s > 0.0
+                terms = [live.select(_f32(x) * w_s, fx.Float32(0.0)) for x in o_s]
+                acc = [a + x for a, x in zip(acc, terms, strict=True)]
+                total = total + w_s
+            total_safe = empty.select(fx.Float32(1.0), total)
+            res = Vec.from_elements(
+                [empty.select(fx.Float32(0.0), a / total_safe) for a in acc], fx.Float32
+            )
+            out_row = fx.Int64(row)
+            _store_global(
+                _base(OUT) + (out_row * LATENT + fx.Int64(8 * lane)) * 2,
+                res.to(fx.BFloat16).bitcast(fx.Int32),
+                16,
+            )
+            lse = empty.select(fx.Float32(float("-inf")), m_ref + _log2(total_safe) * LN2)
+            if lane == 0:
+                _store_global(_base(LOUT) + out_row * 4, lse, 4)
+
+    @flyc.jit
+    def launch(
+        OP: fx.Tensor,
+        LP: fx.Tensor,
+        OUT: fx.Tensor,
+        LOUT: fx.Tensor,
+        num_rows: fx.Int32,
+        num_heads: fx.Int32,
+        num_splits: fx.Int32,
+        stream: fx.Stream = fx.Stream(None),  # noqa: B008
+    ):
+        combine_kernel(OP, LP, OUT, LOUT, num_rows, num_heads, num_splits).launch(
+            grid=((num_rows + (COMBINE_WAVES - 1)) // COMBINE_WAVES, 1, 1),
+            block=(64 * COMBINE_WAVES, 1, 1),
+            stream=stream,
+        )
+
+    launch.compile_hints = {"waves_per_eu": COMBINE_WAVES_PER_EU, "fast_fp_math": False}
+    return launch
+
+
+def compile_config(config: Config):
+    """Compiles one configuration from small CPU example tensors (no launch)."""
+    if config.kernel == "mla_decode_combine":
+        n, s, h = 2, 3, 4
+        op = torch.zeros(n * s * h * LATENT, dtype=torch.bfloat16)
+        lp = torch.zeros(n * s * h, dtype=torch.float32)
+        out = torch.zeros(n * h * LATENT, dtype=torch.bfloat16)
+        lout = torch.zeros(n * h, dtype=torch.float32)
+        return flyc.compile(build_combine_launcher(), op, lp, out, lout, n * h, h, s)
+    b, h, s, tokens, n_idx = 2, 16, 2, 8, 8
+    rows = b * config.qlen
+    q = torch.zeros(rows * h * KV_DIM, dtype=torch.bfloat16)
+    kv = torch.zeros(tokens * KV_DIM, dtype=torch.uint8)
+    idx = torch.zeros(n_idx, dtype=torch.int32)
+    indptr = torch.zeros(b + 1, dtype=torch.int32)
+    op = torch.zeros(rows * s * h * LATENT, dtype=torch.bfloat16)
+    lp = torch.zeros(rows * s * h, dtype=torch.float32)
+    scalars = (b, h, s, n_idx, tokens, 1.0, 1.0, KV_DIM**-0.5)
+    return flyc.compile(build_partials_launcher(config.qlen), q, kv, idx, indptr, op, lp, *scalars)

@@ -1,0 +1,729 @@
+"""gfx950 (MI355) FlyDSL kernel: sparse MLA forward over fp8_ds_mla records (seed 000).
+
+For query row ``r`` and head ``h`` (``H = num_heads <= 16`` heads per launch) the kernel computes
+``out[r, h] = softmax_k(sm_scale * q[r, h]·K_k) @ V_k`` over the keys ``k = idx[p]``,
+``p in [indptr[r], indptr[r + 1])``, with K = latent ‖ rope (576) and V = latent (512) read from
+656-byte records (512 e4m3fn codes | 4 f32 per-128 scales | 64 bf16 rope), and optionally the
+natural-log LSE. ``jax_sparse_mla.emulation.sparse_mla`` mirrors this arithmetic in jax.
+
+Arithmetic, exactly (``c = sm_scale * f32(log2 e)``, all f32 unless said otherwise):
+
+* Positions: ``[b, e)`` with ``b, e = clamp(indptr[r], indptr[r + 1], 0, nnz)`` (so ``e >= b``);
+  a key is masked when its position is ``>= e`` or its entry is outside ``[0, kv_rows)`` (one
+  unsigned compare). Tiles of 128 positions from ``b``; with ``has_invalid`` the tiles after the
+  last unmasked entry are skipped (a scan of the row), which changes no arithmetic.
+* Q, per (head, 128-dim block j of the latent): ``e = exponent bits of max|q|``,
+  ``s_hi = max(e - 7, 6)`` (E8M0, so ``max|q| * 2^(127 - s_hi)`` is in [128, 256)),
+  ``x = q * 2^(127 - s_hi)``, ``hi = e4m3(x)``, ``lo = e4m3((x - hi) * 32)`` (RNE, OCP e4m3fn),
+  ``s_lo = s_hi - 5``. For bf16 q with ``|x| >= 2^-7`` this split is exact: ``hi + lo/32 = x``.
+* Scores: ``S = sum_j (hi_j·code_j 2^(s_hi-127) + lo_j·code_j 2^(s_lo-127)) 2^(E_j-127)
+  + q_rope·k_rope`` (scaled fp8 MFMA 16x16x128 with the record scale's exponent bits ``E_j`` as
+  E8M0 scale_a, bf16 MFMA for the rope; f32 accumulation), ``s = S * c`` (log2 units), masked
+  keys ``s = -1e30``.
+* Online softmax per 128-token tile: ``m' = max(m, max_tile s)``, ``alpha = exp2(m - m')``,
+  ``P = exp2(s - max(m' - 8, -1e20))`` (so ``P <= 2^8``), ``l' = l alpha + sum P``,
+  ``O' = O alpha + sum P' V`` where ``P' = f16(P * sv)`` and ``sv`` is the record's f32 scale of
+  the output dims' block, clamped to f32 bits [1, 2^7] (a larger scale is the documented,
+  inexact clamp), and V the raw e4m3 codes (exact in f16; f16 MFMA, f32 accumulation).
+* ``out = bf16(O * (1 / l))`` (RNE), 0 when ``l == 0``; ``lse = (m + log2 l - 8) ln 2``, -inf
+  when ``l == 0``. ``exp2`` / ``log2`` are the hardware ``v_exp_f32`` / ``v_log_f32``.
+
+Work decomposition: one 4-wave (256-thread) workgroup per query row, rows issued in reverse
+(block ``i`` serves row ``n_q - 1 - i``: long causal tails start first). Per tile, wave ``w``
+computes the scores of tokens ``[32w, 32w + 32)`` for all heads, the tile max goes through LDS,
+and wave ``w`` accumulates output dims ``[128w, 128w + 128)`` (one record scale block, so its
+V scale folds into P') over all 128 tokens. The latent tile reaches LDS by ``global_load_lds``
+DMA from 64-bit per-lane record addresses (wave ``w`` loads latent bytes ``[128w, 128w + 128)``
+of every token, right after its own PV reads of the previous tile); scale and rope words are
+plain 64-bit global loads one tile ahead; V is read with ``ds_read_b64_tr_b8`` (assumed
+semantics: within each 16-lane row, destination lane ``t`` byte ``k`` is source lane
+``2k + t // 8``'s byte ``t % 8``). Masked keys are never read: their DMA lanes are switched off
+(the tile keeps zeros from the prologue or an earlier valid record, multiplied by ``P' = 0``)
+and their scale / rope loads read the query's own row. Index reads go through a buffer
+descriptor over ``idx[b:nnz]``, so a tail tile never reads past ``idx``.
+
+LDS (bytes; the small regions first, so that every offset fits a DS immediate): f32 record
+scale words [wave][block][32 tokens] at 0; tile maxima, then the final l, [16 heads][4 waves] at
+2048; a 32-B sink for the P stores of heads >= H at 2304; f32 P [wave][lane group][H][8 keys] at
+2336; at the next 128-B boundary the latent tile, 4 column blocks of [128 tokens][128 B] in
+which 16-B chunk ``c`` of token ``t`` sits at chunk ``c ^ f(t)``,
+``f(t) = ((t >> 1) & 7) ^ (((t >> 4) & 1) << 1)``. 76160 B at H = 16: two workgroups fit a CU's
+160 KiB at every H. Design occupancy: 2 waves per SIMD (``waves_per_eu`` 2 as in the seed, so
+<= 256 VGPR + AGPR per lane; every configuration compiles to 249-251 VGPRs, no AGPR, no
+spill, no scratch).
+
+Launch ABI (``launch(*tensors, *scalars, stream)``; the packed ``void **args`` holds per tensor
+``&data_ptr`` then ``&layout`` (an int32 shape, unused), then each scalar by pointer, then
+``&stream``). Tensors are flat 1-D buffers:
+
+0. ``q``: bf16; row ``r`` head ``h`` at element ``r * q_row_stride + h * q_head_stride``, 576
+   dims (512 latent ‖ 64 rope); 16-byte aligned, strides multiples of 8.
+1. ``kv``: uint8 records, record ``i`` at byte ``656 i`` (64-bit addressing, may exceed 4 GiB).
+2. ``idx``: int32 ``[nnz]``.
+3. ``indptr``: int32 ``[n_q + 1]`` for the launch's rows.
+4. ``out``: bf16; row ``r`` head ``h`` at ``r * out_row_stride + h * out_head_stride``, 512 dims.
+5. ``lse``: f32; row ``r`` head ``h`` at ``r * lse_row_stride + h`` (not written without LSE).
+
+Scalars, in order: ``n_q`` (int32, rows of this launch, > 0: the grid), ``nnz`` (int32),
+``kv_rows`` (int32, number of records, clamped to 2^31 - 1), ``q_row_stride``,
+``q_head_stride``, ``out_row_stride``, ``out_head_stride``, ``lse_row_stride`` (int32,
+elements), ``sm_scale`` (f32). Grid ``(n_q, 1, 1)``, block ``(256, 1, 1)``, static LDS.
+Heads beyond 16: the wrapper launches one configuration per group of <= 16 heads, with ``q``,
+``out`` and ``lse`` offset by the group's first head, the full tensors' strides, and the same
+CSR and cache; the groups' arithmetic is independent.
+
+Seed details decided here: ``s_hi >= 6`` (the seed clamps at 1 and leaves the lo scale
+``s_hi - 5`` undefined below 6); masked keys switch their DMA lanes off and read scale / rope from
+the query row (the seed reads record 0, whose garbage could turn ``0 x NaN`` into NaN); P goes
+through LDS once as f32 and each wave applies its own block's V scale (the seed stores four f16
+copies, 16 KiB at H = 16, one workgroup per CU); ``l == 0`` (not ``l <= 0``) marks a row
+without keys, so NaN propagates; the CSR slice is clamped to ``[0, nnz]``; ``sm_scale`` (not
+``sm_scale log2 e``), an LSE row stride and 64-bit q / out addressing are launch arguments.
+Preconditions the host does not check: record scales are powers of two (the kernel takes their
+exponent as the E8M0 scale) and <= 2^7 (else V is clamped); q is finite; a row holds < 2^30
+entries.
+"""
+
+import dataclasses
+import math
+
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+import torch
+from flydsl._mlir import ir
+from flydsl._mlir.dialects import llvm
+from flydsl.expr import const_expr, gpu, range_constexpr, rocdl
+from flydsl.expr.typing import T
+from flydsl.expr.typing import Vector as Vec
+
+MAX_HEADS = 16
+RECORD_BYTES = 656
+TILE = 128  # tokens per tile
+THREADS = 256  # 4 waves of 64
+SCALE_OFF = 512  # record byte offsets
+ROPE_OFF = 528
+Q_DIM = 576
+
+# LDS regions (bytes); the small ones first, so their offsets fit DS immediates.
+LDS_SCALES = 0  # f32 scale words [wave][block][32 tokens]
+LDS_MAX = LDS_SCALES + 4 * 4 * 32 * 4  # f32 [16 heads][4 waves]
+LDS_SINK = LDS_MAX + MAX_HEADS * 4 * 4  # P stores of heads >= H
+LDS_P = LDS_SINK + 32  # f32 P [wave][lane group][H][8 tokens], then the latent tile
+LATENT_BYTES = 4 * TILE * 128  # 4 column blocks of [128 tokens][128 B]
+
+P_SHIFT = 8.0  # P = exp2(s - m + 8) <= 2^8
+NEG_BIG = -1.0e30  # masked score
+M_FLOOR = -1.0e20  # exp2(NEG_BIG - M_FLOOR) = 0 while every key so far is masked
+SCALE_CAP_BITS = 0x43000000  # f32 bits of 2^7
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+WAVES_PER_EU = 2
+_BUFFER_FLAGS = (7 << 12) | (4 << 15)  # CDNA raw buffer descriptor word 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One compiled variant of the kernel."""
+
+    kernel: str = "sparse_mla"
+    num_heads: int = MAX_HEADS
+    has_invalid: bool = False  # scan the row and skip the tiles after its last unmasked entry
+    return_lse: bool = True
+
+    @property
+    def symbol(self) -> str:
+        flags = f"i{int(self.has_invalid)}_l{int(self.return_lse)}"
+        return f"jsm_{self.kernel}_h{self.num_heads}_{flags}"
+
+    @property
+    def design_waves_per_simd(self) -> int:
+        return WAVES_PER_EU
+
+    @property
+    def lds_latent(self) -> int:
+        """Offset of the latent tile (after P, 128-byte aligned)."""
+        return -(-(LDS_P + 4 * 4 * self.num_heads * 32) // 128) * 128
+
+    @property
+    def lds_bytes(self) -> int:
+        return self.lds_latent + LATENT_BYTES
+
+
+CONFIGS: tuple[Config, ...] = tuple(
+    Config(num_heads=heads, has_invalid=trim, return_lse=lse)
+    for heads in range(1, MAX_HEADS + 1)
+    for trim in (False, True)
+    for lse in (False, True)
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small device helpers (straight-line code; control flow lives in the kernel body)
+# ---------------------------------------------------------------------------------------------
+
+
+def _raw(x) -> ir.Value:
+    """The MLIR value of a DSL value."""
+    return x.ir_value() if hasattr(x, "ir_value") else x
+
+
+def _i32(x) -> fx.Int32:
+    return fx.Int32(_raw(x))
+
+
+def _f32(x) -> fx.Float32:
+    return fx.Float32(_raw(x))
+
+
+def _global_ptr(addr):
+    """!llvm.ptr<1> at a 64-bit byte address."""
+    return llvm.inttoptr(ir.Type.parse("!llvm.ptr<1>"), _raw(fx.Int64(addr)))
+
+
+def _lds_ptr(addr):
+    """!llvm.ptr<3> at a 32-bit LDS byte address."""
+    return llvm.inttoptr(ir.Type.parse("!llvm.ptr<3>"), _raw(fx.Int32(addr)))
+
+
+def _load_global(addr, words: int, align: int) -> Vec:
+    """``words`` i32 at a 64-bit global byte address."""
+    return Vec(llvm.LoadOp(T.vec(words, T.i32), _global_ptr(addr), alignment=align).result)
+
+
+def _store_global(addr, value, align: int) -> None:
+    llvm.StoreOp(_raw(value), _global_ptr(addr), alignment=align)
+
+
+def _load_lds(addr, words: int, elem=None) -> Vec:
+    """``words`` 32-bit elements (i32 or f32) from LDS, 4-byte aligned or better."""
+    ty = T.vec(words, T.i32 if elem is None else elem)
+    return Vec(llvm.LoadOp(ty, _lds_ptr(addr), alignment=4 * words).result)
+
+
+def _store_lds(addr, value, align: int) -> None:
+    llvm.StoreOp(_raw(value), _lds_ptr(addr), alignment=align)
+
+
+def _uniform(x) -> fx.Int32:
+    """readfirstlane: an SGPR copy of a wave-uniform i32."""
+    return fx.Int32(rocdl.readfirstlane(T.i32, _raw(fx.Int32(x))))
+
+
+def _cat(a, b) -> Vec:
+    """Concatenation of two vectors."""
+    a, b = Vec(a), Vec(b)
+    return a.shuffle(b, list(range(a.numel + b.numel)))
+
+
+def _fmax(a, b) -> fx.Float32:
+    return _f32(fx.maxnumf(_f32(a), _f32(b)))
+
+
+def _swap(op, x) -> tuple:
+    """permlane16/32_swap of an f32 with itself: the two halves of the exchanged pair."""
+    pair = ir.Type.parse("!llvm.struct<(i32, i32)>")
+    bits = _raw(_f32(x).bitcast(fx.Int32))
+    res = op(pair, bits, bits, False, False)
+    return tuple(_i32(llvm.extractvalue(T.i32, res, [k])).bitcast(fx.Float32) for k in (0, 1))
+
+
+def _group_max(x) -> fx.Float32:
+    """Max over the 4 lane groups (rows of 16 lanes) holding the same lane % 16."""
+    a, b = _swap(rocdl.permlane16_swap, x)
+    a, b = _swap(rocdl.permlane32_swap, _fmax(a, b))
+    return _fmax(a, b)
+
+
+def _group_sum(x) -> fx.Float32:
+    """Sum over the 4 lane groups holding the same lane % 16."""
+    a, b = _swap(rocdl.permlane16_swap, x)
+    a, b = _swap(rocdl.permlane32_swap, a + b)
+    return a + b
+
+
+def _exp2(x) -> fx.Float32:
+    return _f32(rocdl.exp2(T.f32, _raw(_f32(x))))
+
+
+def _log2(x) -> fx.Float32:
+    return _f32(rocdl.log(T.f32, _raw(_f32(x))))
+
+
+def _e8m0_scale(amax) -> tuple:
+    """E8M0 byte ``s = max(exponent(amax) - 7, 6)`` and the f32 ``2^(127 - s)``."""
+    e = (_f32(amax).bitcast(fx.Int32) >> 23) & 0xFF
+    s = fx.max(e - 7, fx.Int32(6))
+    return s, ((254 - s) << 23).bitcast(fx.Float32)
+
+
+def _fp8x4(vals) -> fx.Int32:
+    """4 f32 -> one i32 of e4m3fn codes (RNE), byte i = vals[i]."""
+    word = rocdl.cvt_pk_fp8_f32(T.i32, _f32(vals[0]), _f32(vals[1]), fx.Int32(0), False)
+    return _i32(rocdl.cvt_pk_fp8_f32(T.i32, _f32(vals[2]), _f32(vals[3]), word, True))
+
+
+def _fp8x4_values(word) -> list:
+    """One i32 of e4m3fn codes -> 4 exact f32."""
+    out = []
+    for hi in (False, True):
+        pair = Vec(rocdl.cvt_pk_f32_fp8(T.vec(2, T.f32), _raw(word), hi))
+        out += [_f32(pair[0]), _f32(pair[1])]
+    return out
+
+
+def _split_fp8(vals, inv) -> tuple:
+    """x = vals * inv -> (hi words, lo words): hi = e4m3(x), lo = e4m3((x - hi) * 32)."""
+    x = [_f32(v) * inv for v in vals]
+    hi, lo = [], []
+    for i in range(0, len(x), 4):
+        word = _fp8x4(x[i : i + 4])
+        dec = _fp8x4_values(word)
+        hi.append(word)
+        lo.append(_fp8x4([(x[i + j] - dec[j]) * 32.0 for j in range(4)]))
+    return hi, lo
+
+
+def _fp8x8_to_f16(words) -> Vec:
+    """8 e4m3fn codes (2 i32) -> 8 f16, exact."""
+    one = _raw(fx.Float32(1.0))
+    parts = [
+        Vec(rocdl.cvt_scalef32_pk_f16_fp8(T.vec(2, T.f16), _raw(words[k]), one, hi))
+        for k in range(2)
+        for hi in (False, True)
+    ]
+    return _cat(_cat(parts[0], parts[1]), _cat(parts[2], parts[3]))
+
+
+def _mfma_fp8(a, b, acc, scale_a, scale_b) -> Vec:
+    """acc += (A 2^(scale_a - 127)) (B 2^(scale_b - 127)), 16x16x128 e4m3 x e4m3."""
+    ops = [a, b, acc, 0, 0, 0, _i32(scale_a), 0, _i32(scale_b)]
+    return Vec(rocdl.mfma_scale_f32_16x16x128_f8f6f4(T.vec(4, T.f32), ops))
+
+
+def _mfma_bf16(a, b, acc) -> Vec:
+    a, b = Vec(a).bitcast(fx.BFloat16), Vec(b).bitcast(fx.BFloat16)
+    return Vec(rocdl.mfma_f32_16x16x32_bf16(T.vec(4, T.f32), [a, b, acc]))
+
+
+def _mfma_f16(a, b, acc) -> Vec:
+    return Vec(rocdl.mfma_f32_16x16x32_f16(T.vec(4, T.f32), [a, b, acc]))
+
+
+def _pv_mfma(o: list, d0: int, va: list, pp: list) -> None:
+    """O^T chunks d0..d0 + 3 += V^T P'^T over the tile's 4 key groups (in place)."""
+    for i in range(4):
+        for kk in range(4):
+            o[d0 + i] = _mfma_f16(_fp8x8_to_f16(va[i][kk]), pp[kk], o[d0 + i])
+
+
+def _swizzle(tok):
+    """16-B chunk swizzle of a token row in a latent column block."""
+    return ((tok >> 1) & 7) ^ (((tok >> 4) & 1) << 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel
+# ---------------------------------------------------------------------------------------------
+
+
+def build_launcher(config: Config):
+    """The ``flyc.jit`` launcher of one configuration (see the module docstring for its ABI)."""
+    H = config.num_heads
+    if not 1 <= H <= MAX_HEADS:
+        raise ValueError(f"num_heads must be in [1, {MAX_HEADS}], got {H}")
+    has_invalid, return_lse = config.has_invalid, config.return_lse
+    lds_latent = config.lds_latent
+
+    @fx.struct
+    class Smem:
+        raw: fx.Array[fx.Uint8, config.lds_bytes, 16]
+
+    @flyc.kernel(name=config.symbol, known_block_size=[THREADS, 1, 1])
+    def sparse_mla_kernel(
+        Q: fx.Tensor,
+        KV: fx.Tensor,
+        IDX: fx.Tensor,
+        IPTR: fx.Tensor,
+        OUT: fx.Tensor,
+        LSE: fx.Tensor,
+        n_q: fx.Int32,
+        nnz: fx.Int32,
+        kv_rows: fx.Int32,
+        q_row_stride: fx.Int32,
+        q_head_stride: fx.Int32,
+        out_row_stride: fx.Int32,
+        out_head_stride: fx.Int32,
+        lse_row_stride: fx.Int32,
+        sm_scale: fx.Float32,
+    ):
+        tid = fx.Int32(fx.thread_idx.x)
+        w = _uniform(tid >> 6)
+        lane = tid & 63
+        t = lane & 15  # QK: token row of the sub-tile; S / P / O: head
+        g = lane >> 4  # lane group
+        qi = _uniform(n_q - 1 - fx.Int32(fx.block_idx.x))  # long rows first
+        c_log2 = sm_scale * LOG2E
+
+        q_base = fx.Int64(fx.ptrtoint(fx.get_iter(Q)))
+        kv_base = fx.Int64(fx.ptrtoint(fx.get_iter(KV)))
+        idx_base = fx.Int64(fx.ptrtoint(fx.get_iter(IDX)))
+        ip_base = fx.Int64(fx.ptrtoint(fx.get_iter(IPTR)))
+        out_base = fx.Int64(fx.ptrtoint(fx.get_iter(OUT)))
+        lse_base = fx.Int64(fx.ptrtoint(fx.get_iter(LSE)))
+        lds = fx.SharedAllocator().allocate(Smem).peek()
+        base = _uniform(fx.ptrtoint(lds.raw.ptr))
+
+        # ---- this row's CSR slice, clamped to [0, nnz]
+        bounds = _load_global(ip_base + fx.Int64(qi) * 4, 2, 4)
+        r_beg = fx.min(fx.max(_uniform(bounds[0]), fx.Int32(0)), nnz)
+        r_end = fx.min(fx.max(_uniform(bounds[1]), r_beg), nnz)
+        r_len = r_end - r_beg
+        idx_rsrc = rocdl.make_buffer_rsrc(
+            ir.Type.parse("!llvm.ptr<8>"),
+            _global_ptr(idx_base + fx.Int64(r_beg) * 4),
+            _raw(fx.Int16(0)),
+            _raw(fx.min(fx.Int64(nnz - r_beg) * 4, fx.Int64(0xFFFFFFFF))),
+            _raw(fx.Int32(_BUFFER_FLAGS)),
+        )
+
+        def load_idx(p, ty):
+            """Entries at row positions p.. as ``ty`` (i32 or a vector; 0 past idx's end)."""
+            return rocdl.raw_ptr_buffer_load(ty, idx_rsrc, _raw(p * 4), _raw(fx.Int32(0)), aux=0)
+
+        def entry_ok(ix, p):
+            """Position p of the row holds an unmasked entry ix."""
+            return (p < r_len) & (fx.Uint32(_raw(ix)) < fx.Uint32(_raw(kv_rows)))
+
+        # ---- tile count; has_invalid: up to the last unmasked entry
+        if const_expr(has_invalid):
+            last = fx.Int32(0)
+            for sc in range((r_len + 255) >> 8):
+                p0 = fx.Int32(sc) * 256 + lane * 4
+                v = Vec(load_idx(p0, T.vec(4, T.i32)))
+                for j in range_constexpr(4):
+                    last = entry_ok(_i32(v[j]), p0 + j).select(p0 + j + 1, last)
+            for sh in (1, 2, 4, 8, 16, 32):
+                last = fx.max(last, last.shuffle_xor(sh, 64))
+        else:
+            last = r_len
+        nt = _uniform((last + (TILE - 1)) >> 7)
+
+        # ---- Q: lane (head t, group g) holds latent blocks g // 2 and 2 + g // 2 as fp8 hi/lo
+        h_ok = t < H
+        h = h_ok.select(t, fx.Int32(0))
+        q_lane = q_base + (fx.Int64(qi) * fx.Int64(q_row_stride) + fx.Int64(h * q_head_stride)) * 2
+        qa, qb = [], []
+        for j in range_constexpr(4):
+            for blk, dst in ((0, qa), (2, qb)):
+                d0 = (blk + (g >> 1)) * 128 + (2 * j + (g & 1)) * 16
+                for k in range_constexpr(2):
+                    v = _load_global(q_lane + fx.Int64(d0 + 8 * k) * 2, 4, 16)
+                    vf = v.bitcast(fx.BFloat16).to(fx.Float32)
+                    for e in range_constexpr(8):
+                        dst.append(h_ok.select(_f32(vf[e]), fx.Float32(0.0)))
+        amax = []
+        for vals in (qa, qb):
+            a = fx.Float32(0.0)
+            for x in vals:
+                a = _fmax(a, abs(x))
+            p0, p1 = _swap(rocdl.permlane16_swap, a)
+            amax.append(_fmax(p0, p1))  # blocks g // 2 and 2 + g // 2
+        other = []
+        for a in amax:
+            p0, p1 = _swap(rocdl.permlane32_swap, a)
+            other.append((g >= 2).select(p0, p1))  # the value of lane group g ^ 2
+        mine = (g == 0).select(
+            amax[0], (g == 1).select(other[0], (g == 2).select(other[1], amax[1]))
+        )
+        _, inv_a = _e8m0_scale(amax[0])
+        _, inv_b = _e8m0_scale(amax[1])
+        q_hi, q_lo = [], []
+        for j in range_constexpr(4):
+            ha, la = _split_fp8(qa[16 * j : 16 * j + 16], inv_a)
+            hb, lb = _split_fp8(qb[16 * j : 16 * j + 16], inv_b)
+            q_hi.append(Vec.from_elements(ha + hb, fx.Int32))
+            q_lo.append(Vec.from_elements(la + lb, fx.Int32))
+        qs_hi, _ = _e8m0_scale(mine)
+        qs_lo = qs_hi - 5
+        q_rope = [_load_global(q_lane + (512 + 32 * i + 8 * g) * 2, 4, 16) for i in range(2)]
+
+        # ---- per-lane LDS addresses. Sub-tile s = 1 (keys + 16) and PV half sub = 1 (keys + 4)
+        # flip bit 1 of the chunk swizzle, so they reuse the s = 0 / sub = 0 addresses of a
+        # chunk index ^ 2 plus an immediate offset.
+        tok_k = w * 32 + t  # QK key row of sub-tile 0
+        k_rd = [
+            lds_latent
+            + (g >> 1) * 16384
+            + tok_k * 128
+            + (((g & 1) + 2 * blk) ^ _swizzle(tok_k)) * 16
+            for blk in range(4)
+        ]  # [blk]; sub-tile s reads k_rd[blk ^ s] + 2048 s
+        i_v = t >> 1
+        tok_v = (g >> 1) * 32 + (i_v >> 2) * 16 + (g & 1) * 8 + (i_v & 3)  # tr8 row, sub = 0
+        v_rd = [
+            lds_latent + w * 16384 + tok_v * 128 + ((dc ^ _swizzle(tok_v)) * 16) + (t & 1) * 8
+            for dc in range(8)
+        ]  # [dc]; (sub, hf) reads v_rd[dc ^ 2 sub] + 512 sub + 8192 hf
+        dma_src_lane = [(lane >> 3) * 4 + 32 * j for j in range(8)]  # lane 8j + lane // 8
+        dma_chunk = [
+            w * 128 + ((lane & 7) ^ (4 * (j & 1) + (lane >> 4)) ^ (2 * ((j >> 1) & 1))) * 16
+            for j in range(4)
+        ]
+        ks_wr = base + LDS_SCALES + ((w * 4 + g) * 32 + t) * 4
+        mask_rd = base + LDS_SCALES + (w * 4 * 32 + 4 * g) * 4
+        mx_wr = base + LDS_MAX + (t * 4 + w) * 4
+        mx_rd = base + LDS_MAX + t * 16
+        p_wr = h_ok.select(base + LDS_P + ((w * 4 + g) * H + t) * 32, base + LDS_SINK)
+        # PV operand kk = 2 hf + sub holds the keys of (wave 2 hf + g // 2, group 2 (g & 1) + sub)
+        p_rd = base + LDS_P + (((g >> 1) * 4 + 2 * (g & 1)) * H + h_ok.select(t, H - 1)) * 32
+        sv_rd = base + LDS_SCALES + (((g >> 1) * 4 + w) * 32 + 8 * (g & 1)) * 4
+
+        def qk_pos(tb) -> list:
+            """Row positions of this lane's QK key rows (sub-tiles s = 0, 1) in tile tb."""
+            return [tb + w * 32 + 16 * s + t for s in range(2)]
+
+        def dma_pos(tb) -> list:
+            """Row positions whose keys this lane holds for the DMA (lane, 64 + lane)."""
+            return [tb + 64 * hh + lane for hh in range(2)]
+
+        def load_raw(pos) -> list:
+            """The idx entries at row positions pos (unchecked; see keys)."""
+            return [_i32(load_idx(p, T.i32)) for p in pos]
+
+        def keys(raw, pos) -> list:
+            """Records of the entries raw at positions pos, -1 for a masked key."""
+            return [
+                entry_ok(ix, p).select(ix, fx.Int32(-1)) for ix, p in zip(raw, pos, strict=True)
+            ]
+
+        def side_loads(recs) -> list:
+            """Scale word of block g and rope dims [32i + 8g, +8) of the QK rows' records."""
+            out = []
+            for s in range_constexpr(2):
+                ix = recs[s]
+                row = (ix >= 0).select(kv_base + fx.Int64(ix) * RECORD_BYTES, q_lane)
+                out.append(_load_global(row + fx.Int64(SCALE_OFF + 4 * g), 1, 4))
+                for i in range_constexpr(2):
+                    out.append(_load_global(row + fx.Int64(ROPE_OFF + 64 * i + 16 * g), 4, 16))
+            return out
+
+        def dma(recs) -> None:
+            """Latent bytes [128w, 128w + 128) of the tile's 128 keys into column block w."""
+            tok_keys = [  # all exchanges first: their latencies overlap
+                _i32(rocdl.ds_bpermute(T.i32, dma_src_lane[j % 8], recs[j // 8])) for j in range(16)
+            ]
+            for j in range_constexpr(16):
+                ix = tok_keys[j]
+                if ix >= 0:
+                    src = kv_base + fx.Int64(ix) * RECORD_BYTES + fx.Int64(dma_chunk[j % 4])
+                    dst = base + lds_latent + w * 16384 + j * 1024
+                    rocdl.global_load_lds(_global_ptr(src), _lds_ptr(_uniform(dst)), 16, 0)
+
+        # Zero this wave's column block: a masked key's slot keeps finite bytes.
+        zero4 = Vec.filled(4, 0, fx.Int32)
+        for j in range_constexpr(16):
+            _store_lds(base + lds_latent + w * 16384 + j * 1024 + lane * 16, zero4, 16)
+        rocdl.s_waitcnt(lgkmcnt=0)
+
+        # Prologue: tile 0 latent (DMA) and side words; raw entries of tile 1. The loop keeps
+        # its index loads one tile ahead of their checks, so no wait lands inside a tile.
+        tile0 = fx.Int32(0)
+        keys_q0 = keys(load_raw(qk_pos(tile0)), qk_pos(tile0))
+        dma(keys(load_raw(dma_pos(tile0)), dma_pos(tile0)))
+        side0 = side_loads(keys_q0)
+        tile1 = fx.Int32(TILE)
+        state = [fx.Float32(NEG_BIG), fx.Float32(0.0)]
+        state += [Vec.filled(4, 0.0, fx.Float32) for _ in range(8)]
+        state += load_raw(qk_pos(tile1)) + load_raw(dma_pos(tile1)) + side0 + keys_q0
+        init = [_raw(x) for x in state]
+
+        for tile, st in range(0, nt, 1, init=init):
+            m_old, l_old = _f32(st[0]), _f32(st[1])
+            o = [Vec(st[2 + i]) for i in range(8)]
+            raw_q_next = [_i32(st[10 + i]) for i in range(2)]
+            raw_d_next = [_i32(st[12 + i]) for i in range(2)]
+            side = [Vec(st[14 + i]) for i in range(6)]
+            keys_q = [_i32(st[20 + i]) for i in range(2)]
+            tb = fx.Int32(tile) * TILE
+
+            # This tile's latent (own DMA), its side words and the next tile's entries have
+            # landed; every wave's DMA is visible.
+            rocdl.s_waitcnt(vmcnt=0)
+            gpu.barrier()
+            keys_q_next = keys(raw_q_next, qk_pos(tb + TILE))
+            keys_d_next = keys(raw_d_next, dma_pos(tb + TILE))
+            raw_q_next2 = load_raw(qk_pos(tb + 2 * TILE))
+            raw_d_next2 = load_raw(dma_pos(tb + 2 * TILE))
+
+            # ---- QK: A = 16 key rows from LDS, B = Q^T -> S^T; lane (head t, g): keys 4g + r
+            def k_slice(j) -> Vec:
+                """A operand of QK step j = 4 s + blk: 32 B of the lane's key row."""
+                ka = base + k_rd[(j % 4) ^ (j // 4)] + 2048 * (j // 4)
+                return _cat(_load_lds(ka, 4), _load_lds(ka + 32768, 4))
+
+            sacc = [Vec.filled(4, 0.0, fx.Float32) for _ in range(2)]
+            e8 = [(_i32(side[3 * s][0]) >> 23) & 0xFF for s in range(2)]
+            kt_next = k_slice(0)
+            for j in range_constexpr(8):  # each slice read one step ahead of its MFMAs
+                s, blk = j // 4, j % 4
+                kt = kt_next
+                if const_expr(j < 7):
+                    kt_next = k_slice(j + 1)
+                rocdl.sched_barrier(0)
+                acc = _mfma_fp8(kt, q_hi[blk], sacc[s], e8[s], qs_hi)
+                sacc[s] = _mfma_fp8(kt, q_lo[blk], acc, e8[s], qs_lo)
+            for s in range_constexpr(2):
+                for i in range_constexpr(2):
+                    sacc[s] = _mfma_bf16(side[3 * s + 1 + i], q_rope[i], sacc[s])
+
+            # Scale words of the QK rows' keys for every block: 0 marks a masked key, else
+            # the f32 bits clamped to [1, 2^7].
+            for s in range_constexpr(2):
+                sw = fx.min(fx.max(_i32(side[3 * s][0]), fx.Int32(1)), fx.Int32(SCALE_CAP_BITS))
+                sw = (keys_q[s] >= 0).select(sw, fx.Int32(0))
+                _store_lds(ks_wr + 64 * s, sw, 4)
+            sl = []
+            tmax = fx.Float32(NEG_BIG)
+            for s in range_constexpr(2):
+                live = _load_lds(mask_rd + 64 * s, 4)
+                for r in range_constexpr(4):
+                    x = _f32(sacc[s][r]) * c_log2
+                    x = (_i32(live[r]) != 0).select(x, fx.Float32(NEG_BIG))
+                    sl.append(x)
+                    tmax = _fmax(tmax, x)
+            _store_lds(mx_wr, _group_max(tmax), 4)
+            rocdl.s_waitcnt(lgkmcnt=0)
+            gpu.barrier()
+
+            # ---- online softmax (all 4 waves' maxima)
+            mx = _load_lds(mx_rd, 4, T.f32)
+            m_new = m_old
+            for k in range_constexpr(4):
+                m_new = _fmax(m_new, mx[k])
+            alpha = _exp2(m_old - m_new)
+            m_ref = _fmax(m_new - P_SHIFT, fx.Float32(M_FLOOR))
+            pl = [_exp2(x - m_ref) for x in sl]
+            psum = fx.Float32(0.0)
+            for x in pl:
+                psum = psum + x
+            l_new = l_old * alpha + psum
+            o = [Vec.from_elements([_f32(v[k]) * alpha for k in range(4)], fx.Float32) for v in o]
+            for s in range_constexpr(2):
+                _store_lds(p_wr + 16 * s, Vec.from_elements(pl[4 * s : 4 * s + 4], fx.Float32), 16)
+            rocdl.s_waitcnt(lgkmcnt=0)
+            gpu.barrier()
+
+            side_next = side_loads(keys_q_next)
+
+            # ---- PV for dims [128w, 128w + 128): O^T += V^T P'^T, P' = f16(P * scale_w)
+            pp = []
+            for kk in range_constexpr(4):
+                hf, sub = kk // 2, kk % 2
+                vals = []
+                for s in range_constexpr(2):
+                    pv = _load_lds(p_rd + ((8 * hf + sub) * H * 32 + 16 * s), 4, T.f32)
+                    sv = _load_lds(sv_rd + (1024 * hf + 16 * sub + 64 * s), 4)
+                    vals += [_f32(pv[r]) * _i32(sv[r]).bitcast(fx.Float32) for r in range(4)]
+                pp.append(Vec.from_elements(vals, fx.Float32).to(fx.Float16))
+
+            def v_reads(d0) -> list:
+                """tr8 reads of chunks d0..d0 + 3: [chunk][kk] -> 2 i32 (8 keys of dim t)."""
+                res = []
+                for dc in range_constexpr(d0, d0 + 4):
+                    parts = []
+                    for kk in range_constexpr(4):
+                        hf, sub = kk // 2, kk % 2
+                        addr = base + v_rd[dc ^ (2 * sub)] + (512 * sub + 8192 * hf)
+                        tr = rocdl.ds_read_tr8_b64(T.vec(2, T.i32), _lds_ptr(addr))
+                        parts.append(Vec(tr.result))
+                    res.append(parts)
+                return res
+
+            va = v_reads(0)
+            _pv_mfma(o, 0, va, pp)
+            va = v_reads(4)
+            # Column block w is read only by this wave's PV: refill it with the next tile.
+            rocdl.s_waitcnt(lgkmcnt=0)
+            dma(keys_d_next)
+            _pv_mfma(o, 4, va, pp)
+
+            fin = yield [m_new, l_new] + o + raw_q_next2 + raw_d_next2 + side_next + keys_q_next
+
+        # ---- epilogue: l over the 4 waves, normalize, store bf16 for h < H
+        rocdl.s_waitcnt(vmcnt=0)
+        _store_lds(mx_wr, _group_sum(_f32(fin[1])), 4)
+        rocdl.s_waitcnt(lgkmcnt=0)
+        gpu.barrier()
+        lv = _load_lds(mx_rd, 4, T.f32)
+        l_tot = (_f32(lv[0]) + _f32(lv[1])) + (_f32(lv[2]) + _f32(lv[3]))
+        has_l = l_tot != 0.0
+        inv_l = has_l.select(1.0 / l_tot, fx.Float32(0.0))
+        o_row = fx.Int64(qi) * fx.Int64(out_row_stride)
+        o_lane = out_base + (o_row + fx.Int64(h * out_head_stride + w * 128 + 4 * g)) * 2
+        res = [
+            Vec.from_elements([_f32(Vec(fin[2 + dc])[k]) * inv_l for k in range(4)], fx.Float32)
+            for dc in range(8)
+        ]
+        if h_ok:
+            for dc in range_constexpr(8):
+                _store_global(o_lane + 32 * dc, res[dc].to(fx.BFloat16), 8)
+        if const_expr(return_lse):
+            lse2 = _f32(fin[0]) + _log2(has_l.select(l_tot, fx.Float32(1.0))) - P_SHIFT
+            lse = has_l.select(lse2 * LN2, fx.Float32(float("-inf")))
+            lse_at = lse_base + (fx.Int64(qi) * fx.Int64(lse_row_stride) + fx.Int64(t)) * 4
+            if h_ok & (w == 0) & (g == 0):
+                _store_global(lse_at, lse, 4)
+
+    @flyc.jit
+    def launch(
+        Q: fx.Tensor,
+        KV: fx.Tensor,
+        IDX: fx.Tensor,
+        IPTR: fx.Tensor,
+        OUT: fx.Tensor,
+        LSE: fx.Tensor,
+        n_q: fx.Int32,
+        nnz: fx.Int32,
+        kv_rows: fx.Int32,
+        q_row_stride: fx.Int32,
+        q_head_stride: fx.Int32,
+        out_row_stride: fx.Int32,
+        out_head_stride: fx.Int32,
+        lse_row_stride: fx.Int32,
+        sm_scale: fx.Float32,
+        stream: fx.Stream = fx.Stream(None),  # noqa: B008
+    ):
+        sparse_mla_kernel(
+            Q,
+            KV,
+            IDX,
+            IPTR,
+            OUT,
+            LSE,
+            n_q,
+            nnz,
+            kv_rows,
+            q_row_stride,
+            q_head_stride,
+            out_row_stride,
+            out_head_stride,
+            lse_row_stride,
+            sm_scale,
+        ).launch(grid=(n_q, 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+    launch.compile_hints = {"waves_per_eu": WAVES_PER_EU, "fast_fp_math": False}
+    return launch
+
+
+def compile_config(config: Config):
+    """Compiles one configuration from small CPU example tensors (no launch)."""
+    h = config.num_heads
+    n_q = 2
+    q = torch.zeros(n_q * h * Q_DIM, dtype=torch.bfloat16)
+    kv = torch.zeros(4 * RECORD_BYTES, dtype=torch.uint8)
+    idx = torch.zeros(8, dtype=torch.int32)
+    indptr = torch.zeros(n_q + 1, dtype=torch.int32)
+    out = torch.zeros(n_q * h * 512, dtype=torch.bfloat16)
+    lse = torch.zeros(n_q * h, dtype=torch.float32)
+    scalars = (n_q, 8, 4, h * Q_DIM, Q_DIM, h * 512, 512, h, 576**-0.5)
+    return flyc.compile(build_launcher(config), q, kv, idx, indptr, out, lse, *scalars)

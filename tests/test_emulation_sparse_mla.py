@@ -1,0 +1,362 @@
+"""The gfx950 sparse_mla emulation against the float64 oracle and against implementation "xla".
+
+Error bound of the emulation (= the kernel's arithmetic) against exact attention, per output
+element (row r, head h, dim d), with the float64 softmax weights ``p_k``, values ``V_k``,
+output ``out`` and ``l = 2^8 sum_k exp(S_k - max S)`` (the kernel's shifted sum):
+
+* q split: hi + lo / 32 reproduces a bf16 ``x = q 2^(127 - s_hi)`` exactly when
+  ``|x| >= 2^-7``: hi keeps 4 of x's 8 significant bits, so ``x - hi`` is an integer multiple
+  of x's last-bit weight ``2^k`` with ``|x - hi| <= 8 2^k``, and ``32 (x - hi)`` is an e4m3
+  value as long as ``2^(k+5) >= 2^-9`` (e4m3's subnormal step). Smaller elements keep an error
+  ``<= 2^-15`` (half of 2^-9, over 32), i.e. ``|dq| <= 2^-15 2^(s_hi - 127)``; with the
+  block max in [128, 256) after scaling that is ``<= 2^-22 max|q_block|``. The generic
+  e4m3 estimate, hi within 2^-4, the residual times 2^5 again within 2^-4, would allow
+  ``2^-4 2^-5 2^-4`` of the binade; bf16's 8 bits make it exact. The score error of key k
+  is ``dq_k = sm_scale sum_d |dq_d| |K_kd|``.
+* f32 scores and log2 units: products / sums as in ``oracle.attn_atol`` (4 2^-24 score_abs),
+  plus ``c = f32(f32(sm_scale) f32(log2 e))`` and ``s = S c`` (3 roundings) and ``s - m``:
+  ``dS_k = dq_k + 12 2^-24 score_abs``.
+* exp2: XLA:CPU's ``exp2(x)`` errs by ``<= (2 + 0.7 |x|) 2^-24`` relative (measured);
+  ``e_k = (4 + |x_k|) 2^-24`` with ``x_k = (S_k - max S) log2 e + 8``.
+  A relative perturbation ``dS_k + e_k`` of every P moves the output (l included) by
+  ``sum_k p_k (dS_k + e_k) |V_kd - out_d|`` (first order; 1% added for the second).
+* P' = f16(P sv): ``2^-11`` relative (half an ulp of 11 significant bits) above 2^-14,
+  ``2^-25`` absolute below; in the output ``sum_k max(2^-11 p_k |V_kd|, 2^-25 |code_kd| / l)``.
+* f32 accumulation of PV and l, one alpha rescale per 128-key tile:
+  ``oracle.attn_atol + 8 2^-24 (tiles + 1) max|V|``.
+* bf16 output: ``2^-8 |ref|`` (half an ulp of 8 bits) on top of ``(1 + 2^-8)`` times the above,
+  and ``2^-22 |ref|`` for ``O (1 / l)``.
+
+LSE: ``oracle.lse_atol + max_k dS_k + sum_k p_k e_k + 2^-20 + 2^-22 (|lse| + score_abs + 32)``
+(the log2-unit sum ``m + log2 l - 8``, XLA's log2 and the final ``ln 2``).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_sparse_mla.emulation import sparse_mla as E
+from jax_sparse_mla.reference.sparse_mla import sparse_mla_xla
+from tests import cases as C
+from tests import oracle as O
+
+EPS = 2.0**-24
+DEFAULT_SM = O.KDIM**-0.5
+
+
+@functools.cache
+def _jitted(fn):
+    return jax.jit(fn)
+
+
+def _sm(case) -> float:
+    return DEFAULT_SM if case.sm_scale is None else case.sm_scale
+
+
+def run(case, fn=E.sparse_mla_gfx950_emulation, jit=True):
+    args = (case.q, jnp.asarray(case.kv), jnp.asarray(case.idx), jnp.asarray(case.indptr))
+    out, lse = (_jitted(fn) if jit else fn)(*args, np.float32(_sm(case)))
+    assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+    assert out.shape == (*case.q.shape[:2], 512) and lse.shape == case.q.shape[:2]
+    return O.to_f64(out), O.to_f64(lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# Local float64 helpers: the reference with the kernel's V clamp, and the bound's terms
+# ---------------------------------------------------------------------------------------------
+
+
+def q_split_error(q64: np.ndarray) -> np.ndarray:
+    """Bound on |q - (hi + lo / 32) 2^(s_hi - 127)| per element of q [H, 576] (0 for the rope).
+
+    Computed from the definition (block max exponent, s_hi = max(e - 7, 6)), not from the
+    emulation's code.
+    """
+    lat = np.abs(q64[:, :512]).reshape(-1, 4, 128)
+    amax = lat.max(axis=-1)
+    _, e2 = np.frexp(amax)  # amax = m 2^e2, m in [0.5, 1)
+    biased = np.where(amax >= 2.0**-126, e2 + 126, 0)
+    s_hi = np.maximum(biased - 7, 6)
+    unit = np.ldexp(1.0, s_hi - 127)[..., None]  # weight of x = 1
+    x = lat / unit
+    err = np.where((x > 0) & (x < 2.0**-7), 2.0**-15 * unit, 0.0).reshape(-1, 512)
+    return np.concatenate([err, np.zeros((err.shape[0], 64))], axis=-1)
+
+
+def row_keys(case, r: int):
+    """Unmasked keys of row r: K [n, 576] (true record), V [n, 512] and codes [n, 512] with the
+    kernel's V scale clamp (scales above 2^7 read as 2^7)."""
+    recs = np.asarray(case.kv, np.uint8).reshape(-1, O.RECORD_BYTES)
+    pos = O.csr_row_positions(case.indptr, r, len(case.idx))
+    ent = np.asarray(case.idx, np.int64)[pos]
+    ent = ent[(ent >= 0) & (ent < len(recs))]
+    k, _ = O.record_kv(recs[ent])
+    codes = O.e4m3_decode(recs[ent, :512]).astype(np.float64)
+    scales = np.ascontiguousarray(recs[ent, 512:528]).view("<f4").astype(np.float64)
+    v = codes * np.repeat(np.minimum(scales, 2.0**7), 128, axis=-1)
+    return k, v, codes
+
+
+def expected(case):
+    """float64 reference (kernel's V clamp) and the emulation's error bounds (module docstring).
+
+    Returns ref [n_q, H, 512], ref_lse [n_q, H], tol [n_q, H, 512], lse_tol [n_q, H].
+    """
+    q = O.to_f64(case.q)
+    n_q, h, _ = q.shape
+    sm = _sm(case)
+    ref, ref_lse = np.zeros((n_q, h, 512)), np.full((n_q, h), -np.inf)
+    tol, lse_tol = np.zeros((n_q, h, 512)), np.zeros((n_q, h))
+    for r in range(n_q):
+        k, v, codes = row_keys(case, r)
+        n = k.shape[0]
+        if n == 0:
+            continue
+        s = sm * (q[r] @ k.T)  # [H, n]
+        smax = s.max(axis=-1, keepdims=True)
+        w = np.exp(s - smax)
+        p = w / w.sum(axis=-1, keepdims=True)
+        out = p @ v
+        ref[r], ref_lse[r] = out, (smax + np.log(w.sum(axis=-1, keepdims=True)))[:, 0]
+        l_shift = 2.0**8 * w.sum(axis=-1)  # [H]
+        vmax = np.abs(v).max()
+        score_abs = float(np.max(sm * (np.abs(q[r]) @ np.abs(k).T)))
+        d_s = sm * (q_split_error(q[r]) @ np.abs(k).T) + 12 * EPS * score_abs  # [H, n]
+        e_k = (4 + np.abs((s - smax) * np.log2(np.e) + 8)) * EPS
+        f32 = O.attn_atol(n, vmax, score_abs) + 8 * EPS * (n // 128 + 2) * vmax
+        for hh in range(h):
+            f16 = np.maximum(
+                2.0**-11 * p[hh][:, None] * np.abs(v), 2.0**-25 * np.abs(codes) / l_shift[hh]
+            ).sum(axis=0)
+            sc = (p[hh] * (d_s[hh] + e_k[hh])) @ np.abs(v - out[hh])
+            pre = f16 + 1.01 * sc + f32
+            tol[r, hh] = (2.0**-8 + 2.0**-22) * np.abs(out[hh]) + (1 + 2.0**-8) * pre
+        lse_tol[r] = (
+            O.lse_atol(n, score_abs, ref_lse[r])
+            + d_s.max(axis=-1)
+            + (p * e_k).sum(axis=-1)
+            + 2.0**-20
+            + 2.0**-22 * (np.abs(ref_lse[r]) + score_abs + 32)
+        )
+    return ref, ref_lse, tol, lse_tol
+
+
+def check(out, lse, ref, ref_lse, tol, lse_tol, what=""):
+    """Asserts |out - ref| <= tol and |lse - ref_lse| <= lse_tol; returns the worst ratio."""
+    assert np.all(np.isfinite(out)), f"{what}: non-finite output"
+    err = np.abs(out - ref)
+    bad = np.argwhere(err > tol)
+    ratio = float(np.max(err / np.maximum(tol, 1e-300)))
+    assert bad.size == 0, (
+        f"{what}: {len(bad)} outputs out of bound (worst ratio {ratio:.3g}); first "
+        + str([(tuple(b), out[tuple(b)], ref[tuple(b)], tol[tuple(b)]) for b in bad[:3]])
+    )
+    empty = np.isneginf(ref_lse)
+    assert np.array_equal(np.isneginf(lse), empty), f"{what}: -inf lse mismatch"
+    assert np.all(out[empty] == 0), f"{what}: rows without keys must be 0"
+    fin = ~empty
+    lerr = np.abs(lse[fin] - ref_lse[fin])
+    lratio = float(np.max(lerr / lse_tol[fin])) if lerr.size else 0.0
+    assert lratio <= 1, f"{what}: lse out of bound (worst ratio {lratio:.3g})"
+    return max(ratio, lratio)
+
+
+def check_case(case, what=""):
+    """Emulation vs the float64 oracle and vs "xla" (no record scale above 2^7 in the case).
+
+    Against "xla": both lie within their bounds of the same reference, so their difference is
+    within the sum (triangle inequality); "xla"'s bound is ``oracle.check_attention``'s.
+    Returns the worst error / bound ratio against the oracle.
+    """
+    ref, ref_lse, tol, lse_tol = expected(case)
+    out, lse = run(case)
+    ratio = check(out, lse, ref, ref_lse, tol, lse_tol, what)
+    oref, oref_lse, st = O.sparse_mla(case.q, case.kv, case.idx, case.indptr, case.sm_scale, True)
+    np.testing.assert_allclose(oref, ref, rtol=1e-9, atol=1e-9 * max(np.abs(ref).max(initial=0), 1))
+    xo, xl = run(case, sparse_mla_xla)
+    O.check_attention(xo, oref, st, xl, oref_lse, what=f"{what} (xla)")
+    n_keys, vmax, sabs = O.stats_atol(st, ref.shape[:2])
+    xtol = 2.0**-8 * np.abs(ref) + O.attn_atol(n_keys, vmax, sabs)[..., None]
+    xltol = O.lse_atol(n_keys, sabs, np.where(np.isfinite(ref_lse), ref_lse, 0))
+    check(out, lse, xo, xl, tol + xtol, lse_tol + xltol, f"{what} vs xla")
+    return ratio
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests. Every case but the H in {1, 12, 128} ones is padded to one shape (H = 16), so the
+# emulation and "xla" compile once for all of them.
+# ---------------------------------------------------------------------------------------------
+
+N_Q, NNZ, ROWS = 8, 16384, 512
+
+
+def padded(case, n_q=N_Q, nnz=NNZ, rows=ROWS):
+    """The same case in a fixed shape: NaN records that no entry reaches, -1 entries past the
+    old ones and empty rows appended; entries past the old records and indptr values past the
+    old entries move by as much, so they stay out of range."""
+    kv = np.asarray(case.kv, np.uint8).reshape(-1, O.RECORD_BYTES)
+    idx = np.asarray(case.idx, np.int64)
+    idx = np.where(idx >= len(kv), np.minimum(idx + rows - len(kv), 2**31 - 1), idx)
+    indptr = np.asarray(case.indptr, np.int64)
+    indptr = np.where(indptr > len(idx), indptr + nnz - len(idx), indptr)
+    kv = np.concatenate([kv, C.nan_records(rows - len(kv))])
+    idx = np.concatenate([idx, np.full(nnz - len(idx), -1)])
+    extra = n_q - case.q.shape[0]
+    indptr = np.concatenate([indptr, np.full(extra, indptr[-1])])
+    q = jnp.concatenate([case.q, C.bf16_normal(C.rng(0), (extra, *case.q.shape[1:]))])
+    return C.SparseCase(q, kv, idx.astype(np.int32), indptr.astype(np.int32), case.sm_scale)
+
+
+@pytest.mark.parametrize("h", [1, 12, 16, 128])
+def test_heads(h):
+    """Random CSR rows with empty rows, -1 padding, out-of-range entries and duplicates."""
+    case = C.sparse_case(10 + h, n_q=5 if h < 128 else 3, h=h, max_len=40, p_neg=0.15)
+    if h == 16:
+        case = padded(case)
+    print(f"H={h}: worst ratio {check_case(case, f'H={h}'):.3g}")
+
+
+def test_masking_empty_rows_and_nan_records():
+    """Empty rows, all-masked rows, out-of-range entries (never clamped onto a NaN record),
+    duplicates, NaN garbage in record 0 behind masked keys, unusual indptr."""
+    r = C.rng(4)
+    kv = C.make_records(r, 15, nan_rows=[0, 13, 14])
+    big = 2**31 - 1
+    rows = [
+        [],
+        [-1, -1],
+        [15, 16, big, -(2**31), -2],
+        [12],
+        [3, 3, 3, 5],
+        [5, -1, 15, 3, 3, -5],
+        list(range(1, 13)),
+    ]
+    idx = np.int32([e for row in rows for e in row])
+    indptr = np.int32(np.cumsum([0] + [len(row) for row in rows]))
+    case = padded(C.SparseCase(C.bf16_normal(r, (len(rows), 16, 576)), kv, idx, indptr))
+    check_case(case, "masking")
+    out, lse = run(case)
+    assert np.all(out[:3] == 0) and np.all(np.isneginf(lse[:3]))
+    # unusual indptr: decreasing (empty), negative start, past nnz (masked positions)
+    case = C.sparse_case(5, n_q=5, h=16, n_rec=30, min_len=4)
+    nnz = len(case.idx)
+    case.indptr = np.int32([-3, 5, 3, 7, nnz, nnz + 9])
+    check_case(padded(case), "indptr")
+
+
+def test_referenced_nan_record_propagates():
+    """A NaN record that an unmasked key reaches makes its row NaN, and only its row."""
+    r = C.rng(9)
+    kv = C.make_records(r, 8)
+    kv[5] = C.nan_records(1)[0]
+    case = padded(C.SparseCase(C.bf16_normal(r, (2, 16, 576)), kv, np.int32([1, 5, 2, 3]),
+                               np.int32([0, 2, 4])))  # fmt: skip
+    out, lse = run(case)
+    assert np.isnan(out[0]).all() and np.isnan(lse[0]).all()
+    assert np.isfinite(out[1:]).all() and np.isfinite(lse[1]).all()
+
+
+def test_long_rows():
+    """Rows of 1, 129, 4096, 4097 and 5000 keys (40 tiles of 128)."""
+    case = C.sparse_case(
+        7, n_q=6, h=16, n_rec=300, max_len=8, long_rows={0: 1, 1: 5000, 2: 4096, 3: 4097, 4: 129}
+    )
+    print(f"long rows: worst ratio {check_case(padded(case), 'long rows'):.3g}")
+
+
+@pytest.mark.parametrize("sm_scale,q_scale", [(0.3, 8.0), (0.01, 4.0)])
+def test_peaky_and_flat_softmax(sm_scale, q_scale):
+    """Scores of several hundred (P far below 2^-14 for most keys) and nearly flat ones."""
+    case = C.sparse_case(3, n_q=6, h=16, sm_scale=sm_scale, q_scale=q_scale, max_len=60)
+    print(f"sm {sm_scale}: worst ratio {check_case(padded(case), f'sm {sm_scale}'):.3g}")
+
+
+def extreme_records(scale_2_8=False):
+    """Records with scale 2^7 (|latent| = 57344), zero records (scale 2^-13), tiny ones, and
+    optionally one block with scale 2^8 (|latent| = 2 57344), over the kernel's precondition."""
+    r = C.rng(12)
+    lat = C.random_latent(r, 16)
+    lat[0] = 0.0
+    lat[1] *= 57344 / np.max(np.abs(lat[1]))
+    lat[2] *= 1e-6
+    if scale_2_8:
+        lat[3, 128:256] *= 2 * 57344 / np.max(np.abs(lat[3, 128:256]))
+    kv = O.pack_fp8_ds_mla(lat, C.random_rope(r, 16))
+    idx = np.int32([0, 0, 1, 2, 2, 3, 0, 4, 5, 6, 1, 3, 7])
+    indptr = np.int32([0, 2, 3, 5, 11, 13])
+    q = C.bf16_normal(r, (5, 16, 576), 1e-3)
+    return padded(C.SparseCase(q, kv, idx, indptr, sm_scale=0.02))
+
+
+def test_scales_up_to_2_7():
+    case = extreme_records()
+    scales = np.ascontiguousarray(case.kv[:16, 512:528]).view("<f4")
+    assert scales.max() == 2.0**7 and scales.min() == 2.0**-13
+    print(f"scales: worst ratio {check_case(case, 'scales'):.3g}")
+
+
+def test_scale_2_8_is_clamped():
+    """A block scale of 2^8 reads V with 2^7 (K keeps 2^8): the emulation matches the clamped
+    reference within the bound and is far from the exact one."""
+    case = extreme_records(scale_2_8=True)
+    assert np.ascontiguousarray(case.kv[3, 516:520]).view("<f4")[0] == 2.0**8
+    out, lse = run(case)
+    ref, ref_lse, tol, lse_tol = expected(case)  # clamped V
+    check(out, lse, ref, ref_lse, tol, lse_tol, "clamped")
+    exact, exact_lse = O.sparse_mla(case.q, case.kv, case.idx, case.indptr, case.sm_scale)
+    np.testing.assert_allclose(exact_lse, ref_lse)  # K is not clamped
+    with pytest.raises(AssertionError, match="out of bound"):
+        check(out, lse, exact, exact_lse, tol, lse_tol, "unclamped")
+
+
+def test_bound_catches_q_without_lo_residual(monkeypatch):
+    """Meta-test: the bound rejects a kernel that drops the fp8 lo residual of q."""
+    case = padded(C.sparse_case(13, n_q=6, h=16, max_len=40, min_len=20, p_neg=0, p_oob=0))
+    expect = expected(case)
+    check(*run(case), *expect, "true split")
+    split = E.split_q
+
+    def hi_only(q_latent):
+        hi, lo, s_hi = split(q_latent)
+        return hi, jnp.zeros_like(lo), s_hi
+
+    monkeypatch.setattr(E, "split_q", hi_only)
+    wrong = run(case, functools.partial(E.sparse_mla_gfx950_emulation))  # a fresh trace
+    with pytest.raises(AssertionError, match="out of bound"):
+        check(*wrong, *expect, "q without lo")
+
+
+def test_exact_split_matches_xla():
+    """With a q whose hi/lo split is exact (every latent element 0 or >= 2^-13 of its block's
+    max), the emulation differs from "xla" only by f32 rounding, the f16 P' and the bf16
+    output: its bound against the oracle has no q-split term here."""
+    case = padded(C.sparse_case(21, n_q=6, h=16, max_len=60, min_len=1))
+    q = O.to_f64(case.q)
+    lat = q[..., :512].reshape(*q.shape[:2], 4, 128)
+    amax = np.abs(lat).max(axis=-1, keepdims=True)
+    lat = np.where(np.abs(lat) >= 2.0**-13 * amax, lat, 0.0).reshape(*q.shape[:2], 512)
+    case.q = C.to_bf16(np.concatenate([lat, q[..., 512:]], axis=-1))
+    hi, lo, s_hi = E.split_q(case.q[..., :512])
+    rebuilt = O.to_f64(hi) * np.ldexp(1.0, s_hi - 127)[..., None]
+    rebuilt += O.to_f64(lo) * np.ldexp(1.0, s_hi - 132)[..., None]
+    np.testing.assert_array_equal(rebuilt.reshape(lat.shape), lat)
+    assert not np.any([q_split_error(q_r) for q_r in O.to_f64(case.q)])
+    print(f"exact split: worst ratio {check_case(case, 'exact split'):.3g}")
+
+
+def test_vmap_and_jit():
+    """Under vmap (a batch of two cases) the emulation equals the per-case results."""
+    kw = dict(n_q=3, h=2, n_rec=20, min_len=6, max_len=6, p_empty=0)
+    cases = [C.sparse_case(s, **kw) for s in (1, 2)]
+    fn = jax.jit(jax.vmap(E.sparse_mla_gfx950_emulation, in_axes=(0, 0, 0, 0, None)))
+    stack = [
+        jnp.stack([jnp.asarray(getattr(c, f)) for c in cases]) for f in ("q", "kv", "idx", "indptr")
+    ]
+    out, lse = fn(*stack, np.float32(DEFAULT_SM))
+    for b, c in enumerate(cases):
+        o1, l1 = run(c)
+        np.testing.assert_allclose(O.to_f64(out[b]), o1, rtol=2.0**-7, atol=1e-6)
+        np.testing.assert_allclose(O.to_f64(lse[b]), l1, rtol=1e-6)
