@@ -1,0 +1,344 @@
+"""The gfx950 ultraquant_decode emulation (partials + reduce) against the float64 oracle and "xla".
+
+The kernel attends with its own query ``q8 = e4m3(clamp(H q / 16, +-448))`` in stored order (the
+"haircut"; ``kernel_query`` computes it exactly with the oracle's codecs). The haircut is by far
+the largest difference from exact attention (3 significant bits per rotated element: a score
+error of order ``2^-5 sm_scale sqrt(sum_i q_i^2 k_i^2)``), and it is deterministic, so the tests
+compare with the float64 oracle evaluated on ``q8`` (``oracle_on``), check that the emulation's
+query is exactly ``q8``, and bound what is left. Per output element (request, head, dim d),
+with the oracle's weights ``w_k`` over the n valid keys, ``A_d = sum_k w_k |V_kd|``,
+``M = max |V|`` and ``S = sm_scale max_k sum_i |q8_i k_i|`` (rotated, stored order):
+
+* P in bf16 (the dominant term): ``bf16(p) = p (1 + e)``, ``|e| <= 2^-8`` (nearest of 8
+  significant bits), and ``L`` sums the unrounded p, so O moves by ``<= 2^-8 A_d``.
+* With P > 1 partitions each partial o is rounded to bf16 before the reduce:
+  ``2^-8 sum_p W_p |o_p| / W <= 2^-8 A_d`` (``|o_p| <= A_p``). With P = 1 the reduce gives back
+  the same bf16 value (``w o / w`` moves it by f32 ulps, far less than half a bf16 ulp).
+* The final bf16 rounding: ``2^-8 |out|``, i.e. ``2^-8 |ref|`` and ``2^-8`` of the other terms.
+* f32 arithmetic: ``2 oracle.attn_atol(n, M, S)`` with S in the rotated domain plus the
+  oracle's own (its q8 is back in original space, rounded to f32). ``attn_atol`` budgets a
+  score error of ``4 2^-24 S`` and the f32 sums; doubling it covers the exp2 argument
+  ``(s - M') log2e`` (two roundings of a value ``<= 2 S``: ``~2^-22 S``), the emulated exp2
+  (exact integer part, ``<= 2`` ulp fraction), one alpha rescale per 16-token tile, the
+  reduce's weights and the f32 q8 of the oracle.
+
+So ``|emu - ref| <= 2^-8 |ref| + (1 + 2^-8) ((1 + [P > 1]) 2^-8 A_d + 2 attn_atol)``. The test
+against the exact reference compares per-partition partials the same way (``A`` of the
+partition; the lse within ``2 oracle.lse_atol``). The meta-tests check that the bound fails a
+query rotated without the column permutation and one without the haircut. ``report`` prints
+the measured distances (``pytest -s``).
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_sparse_mla.emulation import ultraquant as E
+from jax_sparse_mla.formats import UQ_STORE_POSITION, ultraquant_rotate
+from jax_sparse_mla.reference.ultraquant import ultraquant_decode_partials_f32
+from tests import cases as C
+from tests import oracle as O
+
+SM = 1.0 / 16.0
+BF16_HALF_ULP = 2.0**-8
+
+
+# ---------------------------------------------------------------------------------------------
+# float64 side: the kernel's query, the oracle on it, the bound
+# ---------------------------------------------------------------------------------------------
+
+
+def kernel_query(q) -> np.ndarray:
+    """q8 [..., 256] in stored order: exact rotation (H/16), saturating RNE e4m3, float64."""
+    return O.e4m3_decode(O.e4m3_encode(O.uq_rotate_exact(O.to_f64(q))))
+
+
+def abs_v_cache(cache) -> np.ndarray:
+    """The cache with every V code's sign bit cleared: the oracle on it gives A = sum w |V|."""
+    c = np.array(cache, np.uint8, copy=True)
+    c[..., 136:264] &= 0x77
+    return c
+
+
+def rotated_score_abs(q8, case) -> np.ndarray:
+    """S = sm_scale max_k sum_i |q8_i k_i| per (request, query head) over the valid keys."""
+    cache = np.asarray(case.cache, np.uint8)
+    nb, bs, hk, _ = cache.shape
+    bt = np.asarray(case.block_tables, np.int64)
+    seq = np.clip(np.asarray(case.seq_lens, np.int64), 0, bt.shape[1] * bs)
+    g = q8.shape[1] // hk
+    out = np.zeros(q8.shape[:2])
+    for b in range(q8.shape[0]):
+        j = np.arange(seq[b])
+        blk = bt[b, j // bs]
+        ok = (blk >= 0) & (blk < nb)
+        k, _ = O.uq_unpack(cache[blk[ok], j[ok] % bs, :, :272])  # [n, Hk, 256] stored order
+        for h in range(hk):
+            if k.shape[0]:
+                dots = np.abs(q8[b, h * g : (h + 1) * g]) @ np.abs(k[:, h]).T
+                out[b, h * g : (h + 1) * g] = SM * dots.max(axis=-1)
+    return out
+
+
+class Reference(NamedTuple):
+    """The float64 oracle on the kernel's query and the terms of the bound."""
+
+    out: np.ndarray  # [B, Hq, 256]
+    a: np.ndarray  # [B, Hq, 256]: sum_k w_k |V_kd|
+    atol: np.ndarray  # [B, Hq, 1]: the f32 budget
+    empty: np.ndarray  # [B, Hq]: no valid key
+    n_keys: np.ndarray  # [B, Hq]
+    score_abs: np.ndarray  # [B, Hq]: S, rotated plus original domain
+
+
+def oracle_on(q8, case) -> Reference:
+    """The float64 oracle with the kernel's query (stored-order q8) and the bound's terms."""
+    q_eff = O.uq_unrotate(q8)
+    args = (case.block_tables, case.seq_lens, SM)
+    ref, lse, st = O.ultraquant_decode(q_eff, case.cache, *args, stats=True)
+    a, _ = O.ultraquant_decode(q_eff, abs_v_cache(case.cache), *args)
+    g = q8.shape[1] // case.cache.shape[2]
+    n, vmax, s_orig = O.stats_atol(st, ref.shape[:2], heads_per_entry=g)
+    score_abs = rotated_score_abs(q8, case) + s_orig
+    atol = 2 * O.attn_atol(n, vmax, score_abs)
+    return Reference(ref, a, atol[..., None], np.isneginf(lse), n, score_abs)
+
+
+def bound(ref, a, atol, num_partitions) -> np.ndarray:
+    """``2^-8 |ref| + (1 + 2^-8) ((1 + [P > 1]) 2^-8 A + atol)`` (module docstring)."""
+    p_terms = (2 if num_partitions > 1 else 1) * BF16_HALF_ULP * a
+    return BF16_HALF_ULP * np.abs(ref) + (1 + BF16_HALF_ULP) * (p_terms + atol)
+
+
+def check(out, r: Reference, num_partitions, what="") -> float:
+    """Asserts the bound; rows without keys must be exactly 0. Returns the worst err / tol."""
+    out = O.to_f64(out)
+    assert np.all(np.isfinite(r.out)), f"{what}: broken case (a valid key reaches garbage)"
+    assert np.all(np.isfinite(out)), f"{what}: non-finite output"
+    tol = bound(r.out, r.a, r.atol, num_partitions)
+    err = np.abs(out - r.out)
+    bad = np.argwhere(err > tol)
+    ratio = float(np.max(err / np.maximum(tol, 1e-300)))
+    assert bad.size == 0, (
+        f"{what}: {len(bad)} elements out of bound, worst ratio {ratio:.3g}, first "
+        + str([(tuple(i), out[tuple(i)], r.out[tuple(i)], tol[tuple(i)]) for i in bad[:3]])
+    )
+    assert np.all(out[r.empty] == 0), f"{what}: rows without keys must be 0"
+    return ratio
+
+
+def report(what, out, r: Reference, exact, ratio) -> None:
+    """Measured distances (printed with pytest -s), relative to max|exact|."""
+    out = O.to_f64(out)
+    scale = np.maximum(np.max(np.abs(exact)), 1e-30)
+    print(
+        f"\n{what}: worst err/bound {ratio:.2f}; relative to max|ref|: "
+        f"max|emu - oracle(q8)| {np.max(np.abs(out - r.out)) / scale:.2e}, "
+        f"max|emu - oracle(q)| {np.max(np.abs(out - exact)) / scale:.2e}, "
+        f"max 2^-8 A {BF16_HALF_ULP * np.max(r.a) / scale:.2e}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the emulation
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _partials(num_partitions):
+    return jax.jit(
+        functools.partial(
+            E.ultraquant_decode_gfx950_partials_emulation, num_partitions=num_partitions
+        )
+    )
+
+
+_reduce = jax.jit(E.ultraquant_reduce_gfx950_emulation)
+_rotate_query = jax.jit(E.rotate_query)
+
+
+def run_partials(case, num_partitions):
+    """The emulated partials (o, max_logit, exp_sum) as float64 arrays."""
+    parts = _partials(num_partitions)(
+        case.q, jnp.asarray(case.cache), jnp.asarray(case.block_tables),
+        jnp.asarray(case.seq_lens), sm_scale=np.float32(SM),
+    )  # fmt: skip
+    return parts
+
+
+def run(case, num_partitions, fresh=False):
+    """The emulated output; ``fresh``: a new trace of the whole op (after a monkeypatch)."""
+    if fresh:
+        f = jax.jit(
+            functools.partial(E.ultraquant_decode_gfx950_emulation, num_partitions=num_partitions)
+        )
+        out = f(
+            case.q, jnp.asarray(case.cache), jnp.asarray(case.block_tables),
+            jnp.asarray(case.seq_lens), sm_scale=np.float32(SM),
+        )  # fmt: skip
+    else:
+        out = _reduce(*run_partials(case, num_partitions))
+    assert out.dtype == jnp.bfloat16 and out.shape == case.q.shape
+    return out
+
+
+CASES = {
+    # name: (uq_case arguments, num_partitions, seq_lens put in after writing the cache)
+    "g8_bs16_p1_masked_clamped_empty": (
+        dict(seed=1, seq_lens=(0, 1, 40, 48), hk=2, g=8, bs=16, p_bad_block=0.2, max_blocks=3),
+        1,
+        (-(2**31), 1, 40, 2**31 - 1),  # clamped to [0, 3 * 16]: every table entry is written
+    ),
+    "g6_bs32_p3_idle_partitions": (
+        dict(seed=2, seq_lens=(5, 130, 257, 600), hk=1, g=6, bs=32),
+        3,
+        None,
+    ),
+    "g16_bs64_p8_idle_partitions": (
+        dict(seed=3, seq_lens=(200, 1000), hk=1, g=16, bs=64),
+        8,
+        None,
+    ),
+    "g3_bs128_p2_masked": (
+        dict(seed=4, seq_lens=(129, 300, 70), hk=2, g=3, bs=128, p_bad_block=0.3),
+        2,
+        None,
+    ),
+    "g8_bs256_p5_masked_empty_idle": (
+        dict(seed=5, seq_lens=(0, 255, 256, 257, 700), hk=1, g=8, bs=256, p_bad_block=0.25),
+        5,
+        None,
+    ),
+}
+
+
+@functools.cache
+def make_case(name):
+    """(case, num_partitions) of CASES[name], built once per session."""
+    kw, num_partitions, seq_lens = CASES[name]
+    kw = dict(kw)
+    case = C.uq_case(kw.pop("seed"), **kw)
+    if seq_lens is not None:
+        case.seq_lens = np.int32(seq_lens)
+    return case, num_partitions
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_emulation_vs_oracle(name):
+    case, num_partitions = make_case(name)
+    q8 = kernel_query(case.q)
+    np.testing.assert_array_equal(np.asarray(_rotate_query(case.q), np.float64), q8)
+    out = run(case, num_partitions)
+    r = oracle_on(q8, case)
+    ratio = check(out, r, num_partitions, what=name)
+    exact, _ = O.ultraquant_decode(case.q, case.cache, case.block_tables, case.seq_lens, SM)
+    report(name, out, r, exact, ratio)
+
+
+def test_rotate_query_saturates_and_rounds_to_even():
+    r = C.rng(7)
+    q = C.bf16_normal(r, (3, 5, 256), 4.0)
+    q = q.at[0, 0].set(jnp.bfloat16(30000.0))  # rotated / 16 far above 448 in some dims
+    q8 = np.asarray(_rotate_query(q), np.float64)
+    np.testing.assert_array_equal(q8, kernel_query(q))
+    assert np.max(np.abs(q8)) == 448.0 and np.all(np.isfinite(q8))
+
+
+# ---------------------------------------------------------------------------------------------
+# partials against the exact reference (same partition mapping)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_partials_vs_reference():
+    """Per-partition partials against the exact reference's (same partition mapping), both
+    with the kernel's query; idle partitions (no tile) and empty requests included."""
+    case, num_partitions = make_case("g8_bs256_p5_masked_empty_idle")
+    q8 = kernel_query(case.q)
+    reference = jax.jit(
+        functools.partial(ultraquant_decode_partials_f32, num_partitions=num_partitions)
+    )
+
+    def reference_on(cache):
+        q_eff = jnp.asarray(O.uq_unrotate(q8), jnp.float32)
+        o, lse = reference(
+            q_eff, jnp.asarray(cache), jnp.asarray(case.block_tables),
+            jnp.asarray(case.seq_lens), sm_scale=jnp.float32(SM),
+        )  # fmt: skip
+        return O.to_f64(o), O.to_f64(lse)
+
+    o_ref, lse_ref = reference_on(case.cache)
+    a_ref, _ = reference_on(abs_v_cache(case.cache))
+    o, m, exp_sum = (O.to_f64(x) for x in run_partials(case, num_partitions))
+    r = oracle_on(q8, case)  # budgets per (request, head): every partition sees fewer keys
+    empty = np.isneginf(lse_ref)
+    assert empty.any() and not empty.all()
+    assert np.array_equal(np.isneginf(m), empty) and np.all(exp_sum[empty] == 0)
+    assert np.all(o[empty] == 0)
+    tol = bound(o_ref, a_ref, r.atol[:, None], 1)
+    assert np.all(np.abs(o - o_ref) <= tol), np.max(np.abs(o - o_ref) / tol)
+    lse = np.where(empty, 0.0, m + np.log(np.where(empty, 1.0, exp_sum)))
+    ltol = 2 * O.lse_atol(r.n_keys[:, None], r.score_abs[:, None], lse_ref)
+    assert np.all(np.abs(np.where(empty, 0.0, lse - lse_ref)) <= ltol)
+
+
+def test_reduce_matches_merge():
+    """The reduce against the float64 merge of the same partials (-inf partials, all -inf)."""
+    r = C.rng(8)
+    b, p, h = 3, 4, 5
+    o = C.bf16_normal(r, (b, p, h, 256))
+    ml = (r.standard_normal((b, p, h)) * 4).astype(np.float32)
+    es = r.uniform(1.0, 50.0, (b, p, h)).astype(np.float32)
+    ml[0, 1:] = -np.inf
+    ml[1] = -np.inf
+    es[np.isneginf(ml)] = 0.0
+    out = jax.jit(E.ultraquant_reduce_gfx950_emulation)(o, jnp.asarray(ml), jnp.asarray(es))
+    lse = np.where(np.isneginf(ml), -np.inf, ml.astype(np.float64) + np.log(np.maximum(es, 1)))
+    ref, _ = O.merge_attn_states(o, lse)
+    err = np.abs(O.to_f64(out) - ref)
+    # f32 weights (exp2 argument <= |lse| + 8, ~2^-22 relative) and sums over 4 partials
+    tol = BF16_HALF_ULP * np.abs(ref) + 2.0**-18 * np.max(np.abs(O.to_f64(o)))
+    assert np.all(err <= tol) and np.all(O.to_f64(out)[1] == 0)
+    np.testing.assert_array_equal(O.to_f64(out)[0], O.to_f64(o)[0, 0])
+
+
+def test_jit_vmap():
+    """vmap over a batch of query sets (the cache shared): each result within the bound."""
+    case, num_partitions = make_case("g8_bs16_p1_masked_clamped_empty")
+    q2 = jnp.stack([case.q, case.q[::-1]])
+    f = functools.partial(
+        E.ultraquant_decode_gfx950_emulation, sm_scale=SM, num_partitions=num_partitions
+    )
+    args = (jnp.asarray(case.cache), jnp.asarray(case.block_tables), jnp.asarray(case.seq_lens))
+    batched = jax.jit(jax.vmap(f, in_axes=(0, None, None, None)))(q2, *args)
+    for q, out in zip(q2, batched, strict=True):
+        check(out, oracle_on(kernel_query(q), case), num_partitions, what="vmap")
+
+
+# ---------------------------------------------------------------------------------------------
+# meta-tests: the bound catches wrong queries
+# ---------------------------------------------------------------------------------------------
+
+
+_ROTATE_QUERY = E.rotate_query
+
+
+def _without_permutation(q):
+    return _ROTATE_QUERY(q)[..., UQ_STORE_POSITION]  # natural Hadamard order
+
+
+def _without_haircut(q):
+    return ultraquant_rotate(q)  # the writer's f32 rotation of K: H/16, permuted, no e4m3
+
+
+@pytest.mark.parametrize("variant", [_without_permutation, _without_haircut])
+def test_bound_catches_wrong_query(variant, monkeypatch):
+    case, num_partitions = make_case("g8_bs16_p1_masked_clamped_empty")
+    r = oracle_on(kernel_query(case.q), case)
+    check(run(case, num_partitions), r, num_partitions, what="correct")
+    monkeypatch.setattr(E, "rotate_query", variant)
+    with pytest.raises(AssertionError, match="out of bound"):
+        check(run(case, num_partitions, fresh=True), r, num_partitions)
