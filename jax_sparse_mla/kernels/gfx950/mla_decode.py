@@ -81,7 +81,6 @@ Combine launch ABI: tensors ``o_parts`` bf16 ``[n, S, H, 512]``, ``lse_parts`` f
 """
 
 import dataclasses
-import math
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
@@ -91,6 +90,34 @@ from flydsl._mlir.dialects import llvm
 from flydsl.expr import range_constexpr, rocdl
 from flydsl.expr.typing import T
 from flydsl.expr.typing import Vector as Vec
+
+from jax_sparse_mla.kernels.gfx950._primitives import (
+    LN2,
+    LOG2E,
+    as_ir,
+    base_address,
+    bf16_pair,
+    buffer_rsrc,
+    cat,
+    exp2,
+    f32,
+    fmax,
+    global_ptr,
+    group_max,
+    group_sum,
+    i32,
+    lds_ptr,
+    load_global,
+    load_lds,
+    log2,
+    mfma_scaled,
+    permlane_swap,
+    pin,
+    split_fp8,
+    store_global,
+    store_lds,
+    uniform,
+)
 
 KV_DIM = 576  # K = all 576 codes of a row; V = its first 512
 LATENT = 512
@@ -112,15 +139,12 @@ LDS_BYTES = LDS_MAX + ROWS * WAVES * 4
 P_SHIFT = 8.0  # P = exp2(s - m + 8) <= 2^8
 NEG_BIG = -1.0e30  # masked score
 M_FLOOR = -1.0e20  # exp2(NEG_BIG - M_FLOOR) = 0 while every key so far is masked
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 E8M0_ONE = 127
 Q_SCALE_MIN = 6  # smallest hi E8M0 byte (the lo one, s - 5, stays >= 1)
-LO_SHIFT = 5  # lo = e4m3(residual * 2^5), E8M0 scale of the lo operand: byte - 5
+LO_SHIFT = 5  # lo = e4m3(residual * 2^5) (split_fp8), E8M0 scale of the lo operand: byte - 5
 PARTIALS_WAVES_PER_EU = 2
 COMBINE_WAVES = 4
 COMBINE_WAVES_PER_EU = 8
-_BUFFER_FLAGS = (7 << 12) | (4 << 15)  # CDNA raw buffer descriptor word 3
 QLENS = (1, 2, 4)
 
 
@@ -153,50 +177,6 @@ CONFIGS: tuple[Config, ...] = tuple(Config("mla_decode_partials", q) for q in QL
 # ---------------------------------------------------------------------------------------------
 
 
-def _raw(x) -> ir.Value:
-    """The MLIR value of a DSL value."""
-    return x.ir_value() if hasattr(x, "ir_value") else x
-
-
-def _i32(x) -> fx.Int32:
-    return fx.Int32(_raw(x))
-
-
-def _f32(x) -> fx.Float32:
-    return fx.Float32(_raw(x))
-
-
-def _uniform(x) -> fx.Int32:
-    """readfirstlane: an SGPR copy of a wave-uniform i32."""
-    return fx.Int32(rocdl.readfirstlane(T.i32, _raw(fx.Int32(x))))
-
-
-def _base(tensor) -> fx.Int64:
-    """64-bit byte address of a tensor's data."""
-    return fx.Int64(fx.ptrtoint(fx.get_iter(tensor)))
-
-
-def _global_ptr(addr):
-    """!llvm.ptr<1> at a 64-bit byte address."""
-    return llvm.inttoptr(ir.Type.parse("!llvm.ptr<1>"), _raw(fx.Int64(addr)))
-
-
-def _lds_ptr(addr):
-    """!llvm.ptr<3> at a 32-bit LDS byte address."""
-    return llvm.inttoptr(ir.Type.parse("!llvm.ptr<3>"), _raw(fx.Int32(addr)))
-
-
-def _load_global(addr, words: int, elem=None, align: int = 0) -> Vec:
-    """``words`` 32-bit elements (i32, or ``elem``) at a 64-bit global byte address aligned to
-    ``align`` bytes (default ``4 * words``)."""
-    ty = T.vec(words, T.i32 if elem is None else elem)
-    return Vec(llvm.LoadOp(ty, _global_ptr(addr), alignment=align or 4 * words).result)
-
-
-def _store_global(addr, value, align: int) -> None:
-    llvm.StoreOp(_raw(value), _global_ptr(addr), alignment=align)
-
-
 def _dma_scope():
     """Alias-scope list naming the K-slot DMA: ``alias_scopes`` of the DMA, ``noalias_scopes``
     of every other LDS access. Without it the compiler waits for all in-flight DMA before any
@@ -205,15 +185,14 @@ def _dma_scope():
     return ir.Attribute.parse(f'[#llvm.alias_scope<id = "jsm.kv_dma", domain = {domain}>]')
 
 
-def _load_lds(addr, words: int, elem=None) -> Vec:
-    """``words`` 32-bit elements (i32, or ``elem``) from LDS; ``4 * words``-byte aligned."""
-    ty = T.vec(words, T.i32 if elem is None else elem)
-    op = llvm.LoadOp(ty, _lds_ptr(addr), alignment=4 * words, noalias_scopes=_dma_scope())
-    return Vec(op.result)
+def _load_lds(addr, words: int, elem: ir.Type | None = None) -> Vec:
+    """``load_lds`` outside the DMA's alias scope (``_dma_scope``)."""
+    return load_lds(addr, words, elem, noalias_scopes=_dma_scope())
 
 
 def _store_lds(addr, value, align: int) -> None:
-    llvm.StoreOp(_raw(value), _lds_ptr(addr), alignment=align, noalias_scopes=_dma_scope())
+    """``store_lds`` outside the DMA's alias scope (``_dma_scope``)."""
+    store_lds(addr, value, align, noalias_scopes=_dma_scope())
 
 
 def _barrier(lgkm: bool = False, vm: bool = False) -> None:
@@ -227,81 +206,6 @@ def _barrier(lgkm: bool = False, vm: bool = False) -> None:
     rocdl.sched_barrier(0)
     rocdl.s_barrier()
     rocdl.sched_barrier(0)
-
-
-def _cat(a, b) -> Vec:
-    """Concatenation of two vectors."""
-    a, b = Vec(a), Vec(b)
-    return a.shuffle(b, list(range(a.numel + b.numel)))
-
-
-def _fmax(a, b) -> fx.Float32:
-    return _f32(fx.maxnumf(_f32(a), _f32(b)))
-
-
-def _swap(op, x) -> tuple:
-    """permlane16/32_swap of an i32 with itself: the two values of the exchanged pair."""
-    pair = ir.Type.parse("!llvm.struct<(i32, i32)>")
-    res = op(pair, _raw(x), _raw(x), False, False)
-    return tuple(_i32(llvm.extractvalue(T.i32, res, [k])) for k in (0, 1))
-
-
-def _group_max(x) -> fx.Float32:
-    """f32 max over the 4 lane groups (rows of 16 lanes) sharing lane % 16."""
-    a, b = _swap(rocdl.permlane16_swap, _f32(x).bitcast(fx.Int32))
-    m = _fmax(a.bitcast(fx.Float32), b.bitcast(fx.Float32))
-    a, b = _swap(rocdl.permlane32_swap, m.bitcast(fx.Int32))
-    return _fmax(a.bitcast(fx.Float32), b.bitcast(fx.Float32))
-
-
-def _group_sum(x) -> fx.Float32:
-    """f32 sum over the 4 lane groups sharing lane % 16."""
-    a, b = _swap(rocdl.permlane16_swap, _f32(x).bitcast(fx.Int32))
-    s = a.bitcast(fx.Float32) + b.bitcast(fx.Float32)
-    a, b = _swap(rocdl.permlane32_swap, s.bitcast(fx.Int32))
-    return a.bitcast(fx.Float32) + b.bitcast(fx.Float32)
-
-
-def _exp2(x) -> fx.Float32:
-    return _f32(rocdl.exp2(T.f32, _raw(_f32(x))))
-
-
-def _log2(x) -> fx.Float32:
-    return _f32(rocdl.log(T.f32, _raw(_f32(x))))
-
-
-def _fp8x4(vals) -> fx.Int32:
-    """4 f32 -> one i32 of e4m3fn codes (RNE), byte i = vals[i]."""
-    word = rocdl.cvt_pk_fp8_f32(T.i32, _f32(vals[0]), _f32(vals[1]), fx.Int32(0), False)
-    return _i32(rocdl.cvt_pk_fp8_f32(T.i32, _f32(vals[2]), _f32(vals[3]), word, True))
-
-
-def _fp8x4_values(word) -> list:
-    """One i32 of e4m3fn codes -> 4 exact f32."""
-    out = []
-    for hi in (False, True):
-        pair = Vec(rocdl.cvt_pk_f32_fp8(T.vec(2, T.f32), _raw(word), hi))
-        out += [_f32(pair[0]), _f32(pair[1])]
-    return out
-
-
-def _split_fp8(x) -> tuple:
-    """4 f32 ``x`` (|x| <= 256) -> (hi, lo) words: ``hi = e4m3(x)``, ``lo = e4m3((x - hi) 32)``."""
-    hi = _fp8x4(x)
-    dec = _fp8x4_values(hi)
-    return hi, _fp8x4([(x[k] - dec[k]) * float(1 << LO_SHIFT) for k in range(4)])
-
-
-def _mfma_fp8(a, b, acc, scale_a, scale_b) -> Vec:
-    """acc += (A 2^(scale_a - 127)) (B 2^(scale_b - 127)), 16x16x128 e4m3 x e4m3, E8M0 scales."""
-    ops = [a, b, acc, 0, 0, 0, _i32(scale_a), 0, _i32(scale_b)]
-    return Vec(rocdl.mfma_scale_f32_16x16x128_f8f6f4(T.vec(4, T.f32), ops))
-
-
-def _pin(x) -> fx.Int32:
-    """``x`` through an empty side-effecting asm: computed here, in program order (the compiler
-    may not sink it towards its use, e.g. into the loop or next to a branch)."""
-    return _i32(llvm.inline_asm(T.i32, [_raw(_i32(x))], "", "=v,0", has_side_effects=True))
 
 
 def _q_operands(q_lane, row_ok, g) -> tuple:
@@ -318,16 +222,17 @@ def _q_operands(q_lane, row_ok, g) -> tuple:
         """The 16 dwords (32 bf16, dim order) of step s; zeros for a row beyond the heads."""
         out = []
         for k in range_constexpr(4):
-            ptr = _global_ptr(q_lane + (64 * s + 8 * k) * 2)
+            ptr = global_ptr(q_lane + (64 * s + 8 * k) * 2)
             v = Vec(llvm.LoadOp(T.vec(4, T.i32), ptr, alignment=16, volatile_=volatile).result)
-            out += [row_ok.select(_i32(v[e]), fx.Int32(0)) for e in range(4)]
+            out += [row_ok.select(i32(v[e]), fx.Int32(0)) for e in range(4)]
         return out
 
     expo = fx.Int32(0)
     for s in range_constexpr(QK_STEPS):
         for d in step_words(s, False):
             expo = fx.max(expo, fx.max((d >> 7) & 0xFF, (d >> 23) & 0xFF))
-    pa, pb = _swap(rocdl.permlane16_swap, expo)  # the other half of the row: lane group g ^ 1
+    # the other half of the row: lane group g ^ 1
+    pa, pb = permlane_swap(rocdl.permlane16_swap, expo)
     q_s = fx.max(fx.max(pa, pb) - 7, fx.Int32(Q_SCALE_MIN))
     inv = ((254 - q_s) << 23).bitcast(fx.Float32)
     take_hi = g < 2
@@ -338,9 +243,9 @@ def _q_operands(q_lane, row_ok, g) -> tuple:
         for k in range_constexpr(8):
             x = []
             for d in words[2 * k : 2 * k + 2]:
-                x += [(d << 16).bitcast(fx.Float32) * inv, (d & -65536).bitcast(fx.Float32) * inv]
-            hw, lw = _split_fp8(x)
-            op_words.append(_pin(take_hi.select(hw, lw)))
+                x += [v * inv for v in bf16_pair(d)]
+            hw, lw = split_fp8(x)
+            op_words.append(pin(take_hi.select(hw, lw)))
         ops.append(Vec.from_elements(op_words, fx.Int32))
     return ops, ((g & 1) == 0).select(q_s, q_s - LO_SHIFT)
 
@@ -393,19 +298,8 @@ def _dma_lanes(lane) -> tuple:
 
 def _tr8(addr) -> Vec:
     """ds_read_b64_tr_b8: 8 bytes, transposed within each 16-lane row (module docstring)."""
-    op = rocdl.ds_read_tr8_b64(T.vec(2, T.i32), _lds_ptr(addr), noalias_scopes=_dma_scope())
+    op = rocdl.ds_read_tr8_b64(T.vec(2, T.i32), lds_ptr(addr), noalias_scopes=_dma_scope())
     return Vec(op.result)
-
-
-def _buffer_rsrc(base, nbytes):
-    """Raw buffer descriptor over ``nbytes`` at ``base``: reads past the end return 0."""
-    return rocdl.make_buffer_rsrc(
-        ir.Type.parse("!llvm.ptr<8>"),
-        _global_ptr(base),
-        _raw(fx.Int16(0)),
-        _raw(fx.Int64(nbytes)),
-        _raw(fx.Int32(_BUFFER_FLAGS)),
-    )
 
 
 def _swizzle(key, chunk):
@@ -446,7 +340,7 @@ def build_partials_launcher(qlen: int):
         sm_scale: fx.Float32,
     ):
         tid = fx.Int32(fx.thread_idx.x)
-        w = _uniform(tid >> 6)
+        w = uniform(tid >> 6)
         lane = tid & 63
         t = lane & 15  # QK: key of the wave's tile; S, P, O: query row
         g = lane >> 4  # lane group
@@ -455,28 +349,28 @@ def build_partials_launcher(qlen: int):
         groups = (num_heads + (heads_per_cta - 1)) // heads_per_cta
         bid = fx.Int32(fx.block_idx.x)
         k_xcd = bid >> 3
-        item = _uniform((k_xcd // groups) * 8 + (bid & 7))
-        hg = _uniform(k_xcd % groups)
+        item = uniform((k_xcd // groups) * 8 + (bid & 7))
+        hg = uniform(k_xcd % groups)
         if item < num_requests * num_splits:
             req = item // num_splits
             split = item - req * num_splits
 
-            q_base, kv_base, idx_base = _base(Q), _base(KV), _base(IDX)
-            op_base, lp_base = _base(OP), _base(LP)
+            q_base, kv_base, idx_base = base_address(Q), base_address(KV), base_address(IDX)
+            op_base, lp_base = base_address(OP), base_address(LP)
             lds = fx.SharedAllocator().allocate(Smem).peek()
-            lds0 = _uniform(fx.ptrtoint(lds.raw.ptr))
+            lds0 = uniform(fx.ptrtoint(lds.raw.ptr))
 
             # ---- the split's key positions [lo, hi) and its block count
-            bounds = _load_global(_base(IPTR) + fx.Int64(req) * 4, 2, align=4)
-            start = _uniform(bounds[0])
-            seq_len = fx.max(_uniform(bounds[1]) - start, fx.Int32(0))
+            bounds = load_global(base_address(IPTR) + fx.Int64(req) * 4, 2, align=4)
+            start = uniform(bounds[0])
+            seq_len = fx.max(uniform(bounds[1]) - start, fx.Int32(0))
             per = BLOCK * num_splits
             chunk = ((seq_len + (per - 1)) // per) * BLOCK
             lo = split * chunk
             hi = fx.min(lo + chunk, seq_len)
             nb = (fx.max(hi - lo, fx.Int32(0)) + (BLOCK - 1)) >> 7
             nb = ((n_indices > 0) & (tokens > 0)).select(nb, fx.Int32(0))
-            idx_rsrc = _buffer_rsrc(idx_base, fx.Int64(n_indices) * 4)
+            idx_rsrc = buffer_rsrc(global_ptr(idx_base), fx.Int64(n_indices) * 4)
 
             # ---- this lane's query row n = t: head and position, causal bound
             head = hg * heads_per_cta + t // qlen
@@ -508,16 +402,16 @@ def build_partials_launcher(qlen: int):
                 """Raw kv_indices entry of this lane's key (16w + t) of block blk."""
                 pos = start + lo + blk * BLOCK + w * TILE + t
                 v = rocdl.raw_ptr_buffer_load(
-                    T.i32, idx_rsrc, _raw(pos * 4), _raw(fx.Int32(0)), aux=0
+                    T.i32, idx_rsrc, as_ir(pos * 4), as_ir(fx.Int32(0)), aux=0
                 )
-                return _i32(v)
+                return i32(v)
 
             def check_index(raw, blk):
                 """The key's cache row, or -1 when it is masked."""
                 j = lo + blk * BLOCK + w * TILE + t
                 pos = start + j
                 ok = (j < hi) & (pos >= 0) & (pos < n_indices)
-                ok = ok & (fx.Uint32(_raw(raw)) < fx.Uint32(_raw(tokens)))
+                ok = ok & (fx.Uint32(as_ir(raw)) < fx.Uint32(as_ir(tokens)))
                 return ok.select(raw, fx.Int32(-1))
 
             def dma(key, blk):
@@ -529,12 +423,12 @@ def build_partials_launcher(qlen: int):
                 exchanges overlap.
                 """
                 dst = lds0 + (blk & 1) * SLOT_BYTES + w * (TILE * KV_DIM)
-                rows = [_pin(rocdl.ds_bpermute(T.i32, src, key)) for src in dma_from]
+                rows = [pin(i32(rocdl.ds_bpermute(T.i32, src, key))) for src in dma_from]
                 for i in range_constexpr(len(rows)):
                     if rows[i] >= 0:
                         src = kv_base + fx.Int64(rows[i]) * KV_DIM + fx.Int64(dma_chunk[i])
                         rocdl.global_load_lds(
-                            _global_ptr(src), _lds_ptr(_uniform(dst + 1024 * i)), 16, 0,
+                            global_ptr(src), lds_ptr(uniform(dst + 1024 * i)), 16, 0,
                             alias_scopes=_dma_scope(),
                         )  # fmt: skip
 
@@ -560,61 +454,61 @@ def build_partials_launcher(qlen: int):
                 dma(key_next, blk + 1)
                 raw_next = load_index(blk + 2)
                 # bit k: key 16w + k of the block is unmasked
-                live = fx.Int32(fx.Int64(rocdl.ballot(T.i64, _raw(key_cur >= 0))))
+                live = fx.Int32(fx.Int64(rocdl.ballot(T.i64, as_ir(key_cur >= 0))))
 
                 # ---- S^T = K Q^T: lane (row t, group g) gets keys 16w + 4g + r
                 acc = Vec.filled(4, 0.0, fx.Float32)
                 for s in range_constexpr(QK_STEPS):
-                    ka = _cat(_load_lds(slot + k_rd[0] + 64 * s, 4),
+                    ka = cat(_load_lds(slot + k_rd[0] + 64 * s, 4),
                               _load_lds(slot + k_rd[1] + 64 * s, 4))  # fmt: skip
-                    acc = _mfma_fp8(ka, q_ops[s], acc, E8M0_ONE, q_scale_b)
+                    acc = mfma_scaled(ka, q_ops[s], acc, E8M0_ONE, q_scale_b)
                 sl = []
                 for r in range_constexpr(4):
                     kpos = lo + blk * BLOCK + w * TILE + 4 * g + r
                     vis = (((live >> (4 * g + r)) & 1) != 0) & (kpos <= bound)
-                    sl.append(vis.select(_f32(acc[r]) * c2, fx.Float32(NEG_BIG)))
-                tmax = _fmax(_fmax(sl[0], sl[1]), _fmax(sl[2], sl[3]))
-                _store_lds(mx_wr, _group_max(tmax), 4)
+                    sl.append(vis.select(f32(acc[r]) * c2, fx.Float32(NEG_BIG)))
+                tmax = fmax(fmax(sl[0], sl[1]), fmax(sl[2], sl[3]))
+                _store_lds(mx_wr, group_max(tmax), 4)
                 _barrier(lgkm=True)
 
                 # ---- online softmax over the block's maxima of all waves
                 mx = [_load_lds(mx_rd + 16 * k, 4, T.f32) for k in range(2)]
                 m_new = m_run
                 for k in range_constexpr(WAVES):
-                    m_new = _fmax(m_new, mx[k // 4][k % 4])
-                m8 = _fmax(m_new - P_SHIFT, fx.Float32(M_FLOOR))
-                alpha = _exp2(m_run - m_new)
-                pl = [_exp2(x - m8) for x in sl]
+                    m_new = fmax(m_new, mx[k // 4][k % 4])
+                m8 = fmax(m_new - P_SHIFT, fx.Float32(M_FLOOR))
+                alpha = exp2(m_run - m_new)
+                pl = [exp2(x - m8) for x in sl]
                 l_run = l_run * alpha + ((pl[0] + pl[1]) + (pl[2] + pl[3]))
                 m_run = m_new
                 o_acc = [
-                    Vec.from_elements([_f32(v[k]) * alpha for k in range(4)], fx.Float32)
+                    Vec.from_elements([f32(v[k]) * alpha for k in range(4)], fx.Float32)
                     for v in o_acc
                 ]
-                p_hi, p_lo = _split_fp8(pl)
+                p_hi, p_lo = split_fp8(pl)
                 _store_lds(p_wr, p_hi, 4)
                 _store_lds(p_wr + P_LO, p_lo, 4)
                 _barrier(lgkm=True)
 
                 # ---- O^T += V^T P^T over the block; lane group g: keys 32g + [0, 32)
-                b_hi = _cat(_load_lds(p_rd, 4), _load_lds(p_rd + 16, 4))
-                b_lo = _cat(_load_lds(p_rd + P_LO, 4), _load_lds(p_rd + P_LO + 16, 4))
+                b_hi = cat(_load_lds(p_rd, 4), _load_lds(p_rd + 16, 4))
+                b_lo = cat(_load_lds(p_rd + P_LO, 4), _load_lds(p_rd + P_LO + 16, 4))
                 for jt in range_constexpr(LAT_TILES):
                     va = None
                     for r in range_constexpr(4):
                         part = _tr8(slot + _v_offset(w, t, g, jt, r))
-                        va = part if va is None else _cat(va, part)
-                    o_acc[jt] = _mfma_fp8(va, b_hi, o_acc[jt], E8M0_ONE, E8M0_ONE)
-                    o_acc[jt] = _mfma_fp8(va, b_lo, o_acc[jt], E8M0_ONE, E8M0_ONE - LO_SHIFT)
+                        va = part if va is None else cat(va, part)
+                    o_acc[jt] = mfma_scaled(va, b_hi, o_acc[jt], E8M0_ONE, E8M0_ONE)
+                    o_acc[jt] = mfma_scaled(va, b_lo, o_acc[jt], E8M0_ONE, E8M0_ONE - LO_SHIFT)
                 key_cur = key_next
 
             # ---- epilogue: l over the waves, o = O v_scale / l, lse
-            _store_lds(mx_wr, _group_sum(l_run), 4)
+            _store_lds(mx_wr, group_sum(l_run), 4)
             _barrier(lgkm=True, vm=True)
             lv = [_load_lds(mx_rd + 16 * k, 4, T.f32) for k in range(2)]
-            l_tot = _f32(lv[0][0])
+            l_tot = f32(lv[0][0])
             for k in range_constexpr(1, WAVES):
-                l_tot = l_tot + _f32(lv[k // 4][k % 4])
+                l_tot = l_tot + f32(lv[k // 4][k % 4])
             has_l = l_tot > 0.0
             scale = has_l.select(v_scale / l_tot, fx.Float32(0.0))
             out_row = (fx.Int64(qrow) * fx.Int64(num_splits) + fx.Int64(split)) * fx.Int64(
@@ -622,21 +516,19 @@ def build_partials_launcher(qlen: int):
             ) + fx.Int64(fx.min(head, num_heads - 1))
             o_lane = op_base + (out_row * LATENT + fx.Int64(w * 64 + 4 * g)) * 2
             res = [
-                Vec.from_elements([_f32(v[k]) * scale for k in range(4)], fx.Float32).to(
-                    fx.BFloat16
-                )
+                Vec.from_elements([f32(v[k]) * scale for k in range(4)], fx.Float32).to(fx.BFloat16)
                 for v in o_acc
             ]
             if row_ok:
                 for jt in range_constexpr(LAT_TILES):
-                    _store_global(o_lane + 32 * jt, res[jt].bitcast(fx.Int32), 8)
-            m8 = _fmax(m_run - P_SHIFT, fx.Float32(M_FLOOR))
+                    store_global(o_lane + 32 * jt, res[jt].bitcast(fx.Int32), 8)
+            m8 = fmax(m_run - P_SHIFT, fx.Float32(M_FLOOR))
             lse = has_l.select(
-                (m8 + _log2(has_l.select(l_tot, fx.Float32(1.0)))) * LN2,
+                (m8 + log2(has_l.select(l_tot, fx.Float32(1.0)))) * LN2,
                 fx.Float32(float("-inf")),
             )
             if row_ok & (w == 0) & (g == 0):
-                _store_global(lp_base + out_row * 4, lse, 4)
+                store_global(lp_base + out_row * 4, lse, 4)
 
     @flyc.jit
     def launch(
@@ -688,29 +580,29 @@ def build_combine_launcher():
         num_splits: fx.Int32,
     ):
         tid = fx.Int32(fx.thread_idx.x)
-        row = _uniform(fx.Int32(fx.block_idx.x) * COMBINE_WAVES + (tid >> 6))
+        row = uniform(fx.Int32(fx.block_idx.x) * COMBINE_WAVES + (tid >> 6))
         lane = tid & 63
         if row < num_rows:
             n_i = row // num_heads
             head = row - n_i * num_heads
             first = fx.Int64(n_i) * fx.Int64(num_splits) * fx.Int64(num_heads) + fx.Int64(head)
-            lse_at = _base(LP) + first * 4
-            o_at = _base(OP) + (first * LATENT + fx.Int64(8 * lane)) * 2
+            lse_at = base_address(LP) + first * 4
+            o_at = base_address(OP) + (first * LATENT + fx.Int64(8 * lane)) * 2
             stride = fx.Int64(num_heads)
             m = fx.Float32(float("-inf"))
             for s in range(num_splits):
-                m = _fmax(m, _load_global(lse_at + fx.Int64(s) * stride * 4, 1, T.f32)[0])
+                m = fmax(m, load_global(lse_at + fx.Int64(s) * stride * 4, 1, T.f32)[0])
             empty = m == float("-inf")
             m_ref = empty.select(fx.Float32(0.0), m)
             acc = [fx.Float32(0.0)] * 8
             total = fx.Float32(0.0)
             for s in range(num_splits):
-                lse_s = _f32(_load_global(lse_at + fx.Int64(s) * stride * 4, 1, T.f32)[0])
-                w_s = _exp2((lse_s - m_ref) * LOG2E)
-                o_s = _load_global(o_at + fx.Int64(s) * stride * (LATENT * 2), 4)
+                lse_s = f32(load_global(lse_at + fx.Int64(s) * stride * 4, 1, T.f32)[0])
+                w_s = exp2((lse_s - m_ref) * LOG2E)
+                o_s = load_global(o_at + fx.Int64(s) * stride * (LATENT * 2), 4)
                 o_s = o_s.bitcast(fx.BFloat16).to(fx.Float32)
                 live = w_s > 0.0
-                terms = [live.select(_f32(x) * w_s, fx.Float32(0.0)) for x in o_s]
+                terms = [live.select(f32(x) * w_s, fx.Float32(0.0)) for x in o_s]
                 acc = [a + x for a, x in zip(acc, terms, strict=True)]
                 total = total + w_s
             total_safe = empty.select(fx.Float32(1.0), total)
@@ -718,14 +610,14 @@ def build_combine_launcher():
                 [empty.select(fx.Float32(0.0), a / total_safe) for a in acc], fx.Float32
             )
             out_row = fx.Int64(row)
-            _store_global(
-                _base(OUT) + (out_row * LATENT + fx.Int64(8 * lane)) * 2,
+            store_global(
+                base_address(OUT) + (out_row * LATENT + fx.Int64(8 * lane)) * 2,
                 res.to(fx.BFloat16).bitcast(fx.Int32),
                 16,
             )
-            lse = empty.select(fx.Float32(float("-inf")), m_ref + _log2(total_safe) * LN2)
+            lse = empty.select(fx.Float32(float("-inf")), m_ref + log2(total_safe) * LN2)
             if lane == 0:
-                _store_global(_base(LOUT) + out_row * 4, lse, 4)
+                store_global(base_address(LOUT) + out_row * 4, lse, 4)
 
     @flyc.jit
     def launch(

@@ -85,16 +85,40 @@ entries.
 """
 
 import dataclasses
-import math
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
 import torch
-from flydsl._mlir import ir
-from flydsl._mlir.dialects import llvm
 from flydsl.expr import const_expr, gpu, range_constexpr, rocdl
 from flydsl.expr.typing import T
 from flydsl.expr.typing import Vector as Vec
+
+from jax_sparse_mla.kernels.gfx950._primitives import (
+    BUFFER_NO_LIMIT,
+    LN2,
+    LOG2E,
+    as_ir,
+    base_address,
+    buffer_rsrc,
+    cat,
+    exp2,
+    f32,
+    fmax,
+    global_ptr,
+    group_max,
+    group_sum,
+    i32,
+    lds_ptr,
+    load_global,
+    load_lds,
+    log2,
+    mfma_scaled,
+    permlane_swap,
+    split_fp8,
+    store_global,
+    store_lds,
+    uniform,
+)
 
 MAX_HEADS = 16
 RECORD_BYTES = 656
@@ -115,10 +139,7 @@ P_SHIFT = 8.0  # P = exp2(s - m + 8) <= 2^8
 NEG_BIG = -1.0e30  # masked score
 M_FLOOR = -1.0e20  # exp2(NEG_BIG - M_FLOOR) = 0 while every key so far is masked
 SCALE_CAP_BITS = 0x43000000  # f32 bits of 2^7
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 WAVES_PER_EU = 2
-_BUFFER_FLAGS = (7 << 12) | (4 << 15)  # CDNA raw buffer descriptor word 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,142 +183,29 @@ CONFIGS: tuple[Config, ...] = tuple(
 # ---------------------------------------------------------------------------------------------
 
 
-def _raw(x) -> ir.Value:
-    """The MLIR value of a DSL value."""
-    return x.ir_value() if hasattr(x, "ir_value") else x
-
-
-def _i32(x) -> fx.Int32:
-    return fx.Int32(_raw(x))
-
-
-def _f32(x) -> fx.Float32:
-    return fx.Float32(_raw(x))
-
-
-def _global_ptr(addr):
-    """!llvm.ptr<1> at a 64-bit byte address."""
-    return llvm.inttoptr(ir.Type.parse("!llvm.ptr<1>"), _raw(fx.Int64(addr)))
-
-
-def _lds_ptr(addr):
-    """!llvm.ptr<3> at a 32-bit LDS byte address."""
-    return llvm.inttoptr(ir.Type.parse("!llvm.ptr<3>"), _raw(fx.Int32(addr)))
-
-
-def _load_global(addr, words: int, align: int) -> Vec:
-    """``words`` i32 at a 64-bit global byte address."""
-    return Vec(llvm.LoadOp(T.vec(words, T.i32), _global_ptr(addr), alignment=align).result)
-
-
-def _store_global(addr, value, align: int) -> None:
-    llvm.StoreOp(_raw(value), _global_ptr(addr), alignment=align)
-
-
-def _load_lds(addr, words: int, elem=None) -> Vec:
-    """``words`` 32-bit elements (i32 or f32) from LDS, 4-byte aligned or better."""
-    ty = T.vec(words, T.i32 if elem is None else elem)
-    return Vec(llvm.LoadOp(ty, _lds_ptr(addr), alignment=4 * words).result)
-
-
-def _store_lds(addr, value, align: int) -> None:
-    llvm.StoreOp(_raw(value), _lds_ptr(addr), alignment=align)
-
-
-def _uniform(x) -> fx.Int32:
-    """readfirstlane: an SGPR copy of a wave-uniform i32."""
-    return fx.Int32(rocdl.readfirstlane(T.i32, _raw(fx.Int32(x))))
-
-
-def _cat(a, b) -> Vec:
-    """Concatenation of two vectors."""
-    a, b = Vec(a), Vec(b)
-    return a.shuffle(b, list(range(a.numel + b.numel)))
-
-
-def _fmax(a, b) -> fx.Float32:
-    return _f32(fx.maxnumf(_f32(a), _f32(b)))
-
-
-def _swap(op, x) -> tuple:
-    """permlane16/32_swap of an f32 with itself: the two halves of the exchanged pair."""
-    pair = ir.Type.parse("!llvm.struct<(i32, i32)>")
-    bits = _raw(_f32(x).bitcast(fx.Int32))
-    res = op(pair, bits, bits, False, False)
-    return tuple(_i32(llvm.extractvalue(T.i32, res, [k])).bitcast(fx.Float32) for k in (0, 1))
-
-
-def _group_max(x) -> fx.Float32:
-    """Max over the 4 lane groups (rows of 16 lanes) holding the same lane % 16."""
-    a, b = _swap(rocdl.permlane16_swap, x)
-    a, b = _swap(rocdl.permlane32_swap, _fmax(a, b))
-    return _fmax(a, b)
-
-
-def _group_sum(x) -> fx.Float32:
-    """Sum over the 4 lane groups holding the same lane % 16."""
-    a, b = _swap(rocdl.permlane16_swap, x)
-    a, b = _swap(rocdl.permlane32_swap, a + b)
-    return a + b
-
-
-def _exp2(x) -> fx.Float32:
-    return _f32(rocdl.exp2(T.f32, _raw(_f32(x))))
-
-
-def _log2(x) -> fx.Float32:
-    return _f32(rocdl.log(T.f32, _raw(_f32(x))))
-
-
 def _e8m0_scale(amax) -> tuple:
     """E8M0 byte ``s = max(exponent(amax) - 7, 6)`` and the f32 ``2^(127 - s)``."""
-    e = (_f32(amax).bitcast(fx.Int32) >> 23) & 0xFF
+    e = (f32(amax).bitcast(fx.Int32) >> 23) & 0xFF
     s = fx.max(e - 7, fx.Int32(6))
     return s, ((254 - s) << 23).bitcast(fx.Float32)
 
 
-def _fp8x4(vals) -> fx.Int32:
-    """4 f32 -> one i32 of e4m3fn codes (RNE), byte i = vals[i]."""
-    word = rocdl.cvt_pk_fp8_f32(T.i32, _f32(vals[0]), _f32(vals[1]), fx.Int32(0), False)
-    return _i32(rocdl.cvt_pk_fp8_f32(T.i32, _f32(vals[2]), _f32(vals[3]), word, True))
-
-
-def _fp8x4_values(word) -> list:
-    """One i32 of e4m3fn codes -> 4 exact f32."""
-    out = []
-    for hi in (False, True):
-        pair = Vec(rocdl.cvt_pk_f32_fp8(T.vec(2, T.f32), _raw(word), hi))
-        out += [_f32(pair[0]), _f32(pair[1])]
-    return out
-
-
-def _split_fp8(vals, inv) -> tuple:
+def _split_q(vals, inv) -> tuple:
     """x = vals * inv -> (hi words, lo words): hi = e4m3(x), lo = e4m3((x - hi) * 32)."""
-    x = [_f32(v) * inv for v in vals]
-    hi, lo = [], []
-    for i in range(0, len(x), 4):
-        word = _fp8x4(x[i : i + 4])
-        dec = _fp8x4_values(word)
-        hi.append(word)
-        lo.append(_fp8x4([(x[i + j] - dec[j]) * 32.0 for j in range(4)]))
-    return hi, lo
+    x = [f32(v) * inv for v in vals]
+    words = [split_fp8(x[i : i + 4]) for i in range(0, len(x), 4)]
+    return [hi for hi, _ in words], [lo for _, lo in words]
 
 
 def _fp8x8_to_f16(words) -> Vec:
     """8 e4m3fn codes (2 i32) -> 8 f16, exact."""
-    one = _raw(fx.Float32(1.0))
+    one = as_ir(fx.Float32(1.0))
     parts = [
-        Vec(rocdl.cvt_scalef32_pk_f16_fp8(T.vec(2, T.f16), _raw(words[k]), one, hi))
+        Vec(rocdl.cvt_scalef32_pk_f16_fp8(T.vec(2, T.f16), as_ir(words[k]), one, hi))
         for k in range(2)
         for hi in (False, True)
     ]
-    return _cat(_cat(parts[0], parts[1]), _cat(parts[2], parts[3]))
-
-
-def _mfma_fp8(a, b, acc, scale_a, scale_b) -> Vec:
-    """acc += (A 2^(scale_a - 127)) (B 2^(scale_b - 127)), 16x16x128 e4m3 x e4m3."""
-    ops = [a, b, acc, 0, 0, 0, _i32(scale_a), 0, _i32(scale_b)]
-    return Vec(rocdl.mfma_scale_f32_16x16x128_f8f6f4(T.vec(4, T.f32), ops))
+    return cat(cat(parts[0], parts[1]), cat(parts[2], parts[3]))
 
 
 def _mfma_bf16(a, b, acc) -> Vec:
@@ -357,42 +265,35 @@ def build_launcher(config: Config):
         sm_scale: fx.Float32,
     ):
         tid = fx.Int32(fx.thread_idx.x)
-        w = _uniform(tid >> 6)
+        w = uniform(tid >> 6)
         lane = tid & 63
         t = lane & 15  # QK: token row of the sub-tile; S / P / O: head
         g = lane >> 4  # lane group
-        qi = _uniform(n_q - 1 - fx.Int32(fx.block_idx.x))  # long rows first
+        qi = uniform(n_q - 1 - fx.Int32(fx.block_idx.x))  # long rows first
         c_log2 = sm_scale * LOG2E
 
-        q_base = fx.Int64(fx.ptrtoint(fx.get_iter(Q)))
-        kv_base = fx.Int64(fx.ptrtoint(fx.get_iter(KV)))
-        idx_base = fx.Int64(fx.ptrtoint(fx.get_iter(IDX)))
-        ip_base = fx.Int64(fx.ptrtoint(fx.get_iter(IPTR)))
-        out_base = fx.Int64(fx.ptrtoint(fx.get_iter(OUT)))
-        lse_base = fx.Int64(fx.ptrtoint(fx.get_iter(LSE)))
+        q_base, kv_base, idx_base = base_address(Q), base_address(KV), base_address(IDX)
+        ip_base, out_base, lse_base = base_address(IPTR), base_address(OUT), base_address(LSE)
         lds = fx.SharedAllocator().allocate(Smem).peek()
-        base = _uniform(fx.ptrtoint(lds.raw.ptr))
+        base = uniform(fx.ptrtoint(lds.raw.ptr))
 
         # ---- this row's CSR slice, clamped to [0, nnz]
-        bounds = _load_global(ip_base + fx.Int64(qi) * 4, 2, 4)
-        r_beg = fx.min(fx.max(_uniform(bounds[0]), fx.Int32(0)), nnz)
-        r_end = fx.min(fx.max(_uniform(bounds[1]), r_beg), nnz)
+        bounds = load_global(ip_base + fx.Int64(qi) * 4, 2, align=4)
+        r_beg = fx.min(fx.max(uniform(bounds[0]), fx.Int32(0)), nnz)
+        r_end = fx.min(fx.max(uniform(bounds[1]), r_beg), nnz)
         r_len = r_end - r_beg
-        idx_rsrc = rocdl.make_buffer_rsrc(
-            ir.Type.parse("!llvm.ptr<8>"),
-            _global_ptr(idx_base + fx.Int64(r_beg) * 4),
-            _raw(fx.Int16(0)),
-            _raw(fx.min(fx.Int64(nnz - r_beg) * 4, fx.Int64(0xFFFFFFFF))),
-            _raw(fx.Int32(_BUFFER_FLAGS)),
+        idx_rsrc = buffer_rsrc(
+            global_ptr(idx_base + fx.Int64(r_beg) * 4),
+            fx.min(fx.Int64(nnz - r_beg) * 4, fx.Int64(BUFFER_NO_LIMIT)),
         )
 
         def load_idx(p, ty):
             """Entries at row positions p.. as ``ty`` (i32 or a vector; 0 past idx's end)."""
-            return rocdl.raw_ptr_buffer_load(ty, idx_rsrc, _raw(p * 4), _raw(fx.Int32(0)), aux=0)
+            return rocdl.raw_ptr_buffer_load(ty, idx_rsrc, as_ir(p * 4), as_ir(fx.Int32(0)), aux=0)
 
         def entry_ok(ix, p):
             """Position p of the row holds an unmasked entry ix."""
-            return (p < r_len) & (fx.Uint32(_raw(ix)) < fx.Uint32(_raw(kv_rows)))
+            return (p < r_len) & (fx.Uint32(as_ir(ix)) < fx.Uint32(as_ir(kv_rows)))
 
         # ---- tile count; has_invalid: up to the last unmasked entry
         if const_expr(has_invalid):
@@ -401,12 +302,12 @@ def build_launcher(config: Config):
                 p0 = fx.Int32(sc) * 256 + lane * 4
                 v = Vec(load_idx(p0, T.vec(4, T.i32)))
                 for j in range_constexpr(4):
-                    last = entry_ok(_i32(v[j]), p0 + j).select(p0 + j + 1, last)
+                    last = entry_ok(i32(v[j]), p0 + j).select(p0 + j + 1, last)
             for sh in (1, 2, 4, 8, 16, 32):
                 last = fx.max(last, last.shuffle_xor(sh, 64))
         else:
             last = r_len
-        nt = _uniform((last + (TILE - 1)) >> 7)
+        nt = uniform((last + (TILE - 1)) >> 7)
 
         # ---- Q: lane (head t, group g) holds latent blocks g // 2 and 2 + g // 2 as fp8 hi/lo
         h_ok = t < H
@@ -417,20 +318,22 @@ def build_launcher(config: Config):
             for blk, dst in ((0, qa), (2, qb)):
                 d0 = (blk + (g >> 1)) * 128 + (2 * j + (g & 1)) * 16
                 for k in range_constexpr(2):
-                    v = _load_global(q_lane + fx.Int64(d0 + 8 * k) * 2, 4, 16)
+                    v = load_global(q_lane + fx.Int64(d0 + 8 * k) * 2, 4)
                     vf = v.bitcast(fx.BFloat16).to(fx.Float32)
                     for e in range_constexpr(8):
-                        dst.append(h_ok.select(_f32(vf[e]), fx.Float32(0.0)))
+                        dst.append(h_ok.select(f32(vf[e]), fx.Float32(0.0)))
         amax = []
         for vals in (qa, qb):
             a = fx.Float32(0.0)
             for x in vals:
-                a = _fmax(a, abs(x))
-            p0, p1 = _swap(rocdl.permlane16_swap, a)
-            amax.append(_fmax(p0, p1))  # blocks g // 2 and 2 + g // 2
+                a = fmax(a, abs(x))
+            swapped = permlane_swap(rocdl.permlane16_swap, a.bitcast(fx.Int32))
+            p0, p1 = (p.bitcast(fx.Float32) for p in swapped)
+            amax.append(fmax(p0, p1))  # blocks g // 2 and 2 + g // 2
         other = []
         for a in amax:
-            p0, p1 = _swap(rocdl.permlane32_swap, a)
+            swapped = permlane_swap(rocdl.permlane32_swap, a.bitcast(fx.Int32))
+            p0, p1 = (p.bitcast(fx.Float32) for p in swapped)
             other.append((g >= 2).select(p0, p1))  # the value of lane group g ^ 2
         mine = (g == 0).select(
             amax[0], (g == 1).select(other[0], (g == 2).select(other[1], amax[1]))
@@ -439,13 +342,13 @@ def build_launcher(config: Config):
         _, inv_b = _e8m0_scale(amax[1])
         q_hi, q_lo = [], []
         for j in range_constexpr(4):
-            ha, la = _split_fp8(qa[16 * j : 16 * j + 16], inv_a)
-            hb, lb = _split_fp8(qb[16 * j : 16 * j + 16], inv_b)
+            ha, la = _split_q(qa[16 * j : 16 * j + 16], inv_a)
+            hb, lb = _split_q(qb[16 * j : 16 * j + 16], inv_b)
             q_hi.append(Vec.from_elements(ha + hb, fx.Int32))
             q_lo.append(Vec.from_elements(la + lb, fx.Int32))
         qs_hi, _ = _e8m0_scale(mine)
         qs_lo = qs_hi - 5
-        q_rope = [_load_global(q_lane + (512 + 32 * i + 8 * g) * 2, 4, 16) for i in range(2)]
+        q_rope = [load_global(q_lane + (512 + 32 * i + 8 * g) * 2, 4) for i in range(2)]
 
         # ---- per-lane LDS addresses. Sub-tile s = 1 (keys + 16) and PV half sub = 1 (keys + 4)
         # flip bit 1 of the chunk swizzle, so they reuse the s = 0 / sub = 0 addresses of a
@@ -488,7 +391,7 @@ def build_launcher(config: Config):
 
         def load_raw(pos) -> list:
             """The idx entries at row positions pos (unchecked; see keys)."""
-            return [_i32(load_idx(p, T.i32)) for p in pos]
+            return [i32(load_idx(p, T.i32)) for p in pos]
 
         def keys(raw, pos) -> list:
             """Records of the entries raw at positions pos, -1 for a masked key."""
@@ -502,27 +405,27 @@ def build_launcher(config: Config):
             for s in range_constexpr(2):
                 ix = recs[s]
                 row = (ix >= 0).select(kv_base + fx.Int64(ix) * RECORD_BYTES, q_lane)
-                out.append(_load_global(row + fx.Int64(SCALE_OFF + 4 * g), 1, 4))
+                out.append(load_global(row + fx.Int64(SCALE_OFF + 4 * g), 1))
                 for i in range_constexpr(2):
-                    out.append(_load_global(row + fx.Int64(ROPE_OFF + 64 * i + 16 * g), 4, 16))
+                    out.append(load_global(row + fx.Int64(ROPE_OFF + 64 * i + 16 * g), 4))
             return out
 
         def dma(recs) -> None:
             """Latent bytes [128w, 128w + 128) of the tile's 128 keys into column block w."""
             tok_keys = [  # all exchanges first: their latencies overlap
-                _i32(rocdl.ds_bpermute(T.i32, dma_src_lane[j % 8], recs[j // 8])) for j in range(16)
+                i32(rocdl.ds_bpermute(T.i32, dma_src_lane[j % 8], recs[j // 8])) for j in range(16)
             ]
             for j in range_constexpr(16):
                 ix = tok_keys[j]
                 if ix >= 0:
                     src = kv_base + fx.Int64(ix) * RECORD_BYTES + fx.Int64(dma_chunk[j % 4])
                     dst = base + lds_latent + w * 16384 + j * 1024
-                    rocdl.global_load_lds(_global_ptr(src), _lds_ptr(_uniform(dst)), 16, 0)
+                    rocdl.global_load_lds(global_ptr(src), lds_ptr(uniform(dst)), 16, 0)
 
         # Zero this wave's column block: a masked key's slot keeps finite bytes.
         zero4 = Vec.filled(4, 0, fx.Int32)
         for j in range_constexpr(16):
-            _store_lds(base + lds_latent + w * 16384 + j * 1024 + lane * 16, zero4, 16)
+            store_lds(base + lds_latent + w * 16384 + j * 1024 + lane * 16, zero4, 16)
         rocdl.s_waitcnt(lgkmcnt=0)
 
         # Prologue: tile 0 latent (DMA) and side words; raw entries of tile 1. The loop keeps
@@ -535,15 +438,15 @@ def build_launcher(config: Config):
         state = [fx.Float32(NEG_BIG), fx.Float32(0.0)]
         state += [Vec.filled(4, 0.0, fx.Float32) for _ in range(8)]
         state += load_raw(qk_pos(tile1)) + load_raw(dma_pos(tile1)) + side0 + keys_q0
-        init = [_raw(x) for x in state]
+        init = [as_ir(x) for x in state]
 
         for tile, st in range(0, nt, 1, init=init):
-            m_old, l_old = _f32(st[0]), _f32(st[1])
+            m_old, l_old = f32(st[0]), f32(st[1])
             o = [Vec(st[2 + i]) for i in range(8)]
-            raw_q_next = [_i32(st[10 + i]) for i in range(2)]
-            raw_d_next = [_i32(st[12 + i]) for i in range(2)]
+            raw_q_next = [i32(st[10 + i]) for i in range(2)]
+            raw_d_next = [i32(st[12 + i]) for i in range(2)]
             side = [Vec(st[14 + i]) for i in range(6)]
-            keys_q = [_i32(st[20 + i]) for i in range(2)]
+            keys_q = [i32(st[20 + i]) for i in range(2)]
             tb = fx.Int32(tile) * TILE
 
             # This tile's latent (own DMA), its side words and the next tile's entries have
@@ -559,10 +462,10 @@ def build_launcher(config: Config):
             def k_slice(j) -> Vec:
                 """A operand of QK step j = 4 s + blk: 32 B of the lane's key row."""
                 ka = base + k_rd[(j % 4) ^ (j // 4)] + 2048 * (j // 4)
-                return _cat(_load_lds(ka, 4), _load_lds(ka + 32768, 4))
+                return cat(load_lds(ka, 4), load_lds(ka + 32768, 4))
 
             sacc = [Vec.filled(4, 0.0, fx.Float32) for _ in range(2)]
-            e8 = [(_i32(side[3 * s][0]) >> 23) & 0xFF for s in range(2)]
+            e8 = [(i32(side[3 * s][0]) >> 23) & 0xFF for s in range(2)]
             kt_next = k_slice(0)
             for j in range_constexpr(8):  # each slice read one step ahead of its MFMAs
                 s, blk = j // 4, j % 4
@@ -570,8 +473,8 @@ def build_launcher(config: Config):
                 if const_expr(j < 7):
                     kt_next = k_slice(j + 1)
                 rocdl.sched_barrier(0)
-                acc = _mfma_fp8(kt, q_hi[blk], sacc[s], e8[s], qs_hi)
-                sacc[s] = _mfma_fp8(kt, q_lo[blk], acc, e8[s], qs_lo)
+                acc = mfma_scaled(kt, q_hi[blk], sacc[s], e8[s], qs_hi)
+                sacc[s] = mfma_scaled(kt, q_lo[blk], acc, e8[s], qs_lo)
             for s in range_constexpr(2):
                 for i in range_constexpr(2):
                     sacc[s] = _mfma_bf16(side[3 * s + 1 + i], q_rope[i], sacc[s])
@@ -579,37 +482,37 @@ def build_launcher(config: Config):
             # Scale words of the QK rows' keys for every block: 0 marks a masked key, else
             # the f32 bits clamped to [1, 2^7].
             for s in range_constexpr(2):
-                sw = fx.min(fx.max(_i32(side[3 * s][0]), fx.Int32(1)), fx.Int32(SCALE_CAP_BITS))
+                sw = fx.min(fx.max(i32(side[3 * s][0]), fx.Int32(1)), fx.Int32(SCALE_CAP_BITS))
                 sw = (keys_q[s] >= 0).select(sw, fx.Int32(0))
-                _store_lds(ks_wr + 64 * s, sw, 4)
+                store_lds(ks_wr + 64 * s, sw, 4)
             sl = []
             tmax = fx.Float32(NEG_BIG)
             for s in range_constexpr(2):
-                live = _load_lds(mask_rd + 64 * s, 4)
+                live = load_lds(mask_rd + 64 * s, 4)
                 for r in range_constexpr(4):
-                    x = _f32(sacc[s][r]) * c_log2
-                    x = (_i32(live[r]) != 0).select(x, fx.Float32(NEG_BIG))
+                    x = f32(sacc[s][r]) * c_log2
+                    x = (i32(live[r]) != 0).select(x, fx.Float32(NEG_BIG))
                     sl.append(x)
-                    tmax = _fmax(tmax, x)
-            _store_lds(mx_wr, _group_max(tmax), 4)
+                    tmax = fmax(tmax, x)
+            store_lds(mx_wr, group_max(tmax), 4)
             rocdl.s_waitcnt(lgkmcnt=0)
             gpu.barrier()
 
             # ---- online softmax (all 4 waves' maxima)
-            mx = _load_lds(mx_rd, 4, T.f32)
+            mx = load_lds(mx_rd, 4, T.f32)
             m_new = m_old
             for k in range_constexpr(4):
-                m_new = _fmax(m_new, mx[k])
-            alpha = _exp2(m_old - m_new)
-            m_ref = _fmax(m_new - P_SHIFT, fx.Float32(M_FLOOR))
-            pl = [_exp2(x - m_ref) for x in sl]
+                m_new = fmax(m_new, mx[k])
+            alpha = exp2(m_old - m_new)
+            m_ref = fmax(m_new - P_SHIFT, fx.Float32(M_FLOOR))
+            pl = [exp2(x - m_ref) for x in sl]
             psum = fx.Float32(0.0)
             for x in pl:
                 psum = psum + x
             l_new = l_old * alpha + psum
-            o = [Vec.from_elements([_f32(v[k]) * alpha for k in range(4)], fx.Float32) for v in o]
+            o = [Vec.from_elements([f32(v[k]) * alpha for k in range(4)], fx.Float32) for v in o]
             for s in range_constexpr(2):
-                _store_lds(p_wr + 16 * s, Vec.from_elements(pl[4 * s : 4 * s + 4], fx.Float32), 16)
+                store_lds(p_wr + 16 * s, Vec.from_elements(pl[4 * s : 4 * s + 4], fx.Float32), 16)
             rocdl.s_waitcnt(lgkmcnt=0)
             gpu.barrier()
 
@@ -621,9 +524,9 @@ def build_launcher(config: Config):
                 hf, sub = kk // 2, kk % 2
                 vals = []
                 for s in range_constexpr(2):
-                    pv = _load_lds(p_rd + ((8 * hf + sub) * H * 32 + 16 * s), 4, T.f32)
-                    sv = _load_lds(sv_rd + (1024 * hf + 16 * sub + 64 * s), 4)
-                    vals += [_f32(pv[r]) * _i32(sv[r]).bitcast(fx.Float32) for r in range(4)]
+                    pv = load_lds(p_rd + ((8 * hf + sub) * H * 32 + 16 * s), 4, T.f32)
+                    sv = load_lds(sv_rd + (1024 * hf + 16 * sub + 64 * s), 4)
+                    vals += [f32(pv[r]) * i32(sv[r]).bitcast(fx.Float32) for r in range(4)]
                 pp.append(Vec.from_elements(vals, fx.Float32).to(fx.Float16))
 
             def v_reads(d0) -> list:
@@ -634,7 +537,7 @@ def build_launcher(config: Config):
                     for kk in range_constexpr(4):
                         hf, sub = kk // 2, kk % 2
                         addr = base + v_rd[dc ^ (2 * sub)] + (512 * sub + 8192 * hf)
-                        tr = rocdl.ds_read_tr8_b64(T.vec(2, T.i32), _lds_ptr(addr))
+                        tr = rocdl.ds_read_tr8_b64(T.vec(2, T.i32), lds_ptr(addr))
                         parts.append(Vec(tr.result))
                     res.append(parts)
                 return res
@@ -651,28 +554,28 @@ def build_launcher(config: Config):
 
         # ---- epilogue: l over the 4 waves, normalize, store bf16 for h < H
         rocdl.s_waitcnt(vmcnt=0)
-        _store_lds(mx_wr, _group_sum(_f32(fin[1])), 4)
+        store_lds(mx_wr, group_sum(f32(fin[1])), 4)
         rocdl.s_waitcnt(lgkmcnt=0)
         gpu.barrier()
-        lv = _load_lds(mx_rd, 4, T.f32)
-        l_tot = (_f32(lv[0]) + _f32(lv[1])) + (_f32(lv[2]) + _f32(lv[3]))
+        lv = load_lds(mx_rd, 4, T.f32)
+        l_tot = (f32(lv[0]) + f32(lv[1])) + (f32(lv[2]) + f32(lv[3]))
         has_l = l_tot != 0.0
         inv_l = has_l.select(1.0 / l_tot, fx.Float32(0.0))
         o_row = fx.Int64(qi) * fx.Int64(out_row_stride)
         o_lane = out_base + (o_row + fx.Int64(h * out_head_stride + w * 128 + 4 * g)) * 2
         res = [
-            Vec.from_elements([_f32(Vec(fin[2 + dc])[k]) * inv_l for k in range(4)], fx.Float32)
+            Vec.from_elements([f32(Vec(fin[2 + dc])[k]) * inv_l for k in range(4)], fx.Float32)
             for dc in range(8)
         ]
         if h_ok:
             for dc in range_constexpr(8):
-                _store_global(o_lane + 32 * dc, res[dc].to(fx.BFloat16), 8)
+                store_global(o_lane + 32 * dc, res[dc].to(fx.BFloat16), 8)
         if const_expr(return_lse):
-            lse2 = _f32(fin[0]) + _log2(has_l.select(l_tot, fx.Float32(1.0))) - P_SHIFT
+            lse2 = f32(fin[0]) + log2(has_l.select(l_tot, fx.Float32(1.0))) - P_SHIFT
             lse = has_l.select(lse2 * LN2, fx.Float32(float("-inf")))
             lse_at = lse_base + (fx.Int64(qi) * fx.Int64(lse_row_stride) + fx.Int64(t)) * 4
             if h_ok & (w == 0) & (g == 0):
-                _store_global(lse_at, lse, 4)
+                store_global(lse_at, lse, 4)
 
     @flyc.jit
     def launch(

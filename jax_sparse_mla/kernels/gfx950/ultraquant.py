@@ -102,8 +102,18 @@ from flydsl._mlir import ir
 from flydsl._mlir.dialects import llvm
 from flydsl._mlir.dialects import rocdl as mlir_rocdl
 from flydsl.expr import const_expr, gpu, range_constexpr, rocdl
-from flydsl.expr.arith import _to_raw
 from flydsl.expr.typing import T
+
+from jax_sparse_mla.kernels.gfx950._primitives import (
+    LOG2E,
+    as_ir,
+    bf16_pair,
+    buffer_rsrc,
+    exp2,
+    fp8x4,
+    mfma_scaled,
+    pin,
+)
 
 HEAD_DIM = 256
 WAVE = 64
@@ -127,11 +137,8 @@ MAX_WAVES_PER_SIMD = 8
 # LDS-bound: 12 one-wave workgroups per CU -> 3 waves per SIMD (register budget 168 VGPRs).
 DECODE_WAVES_PER_SIMD = LDS_PER_CU // LDS_BYTES // SIMDS_PER_CU
 
-LOG2E = 1.4426950408889634
 FP8_MAX = 448.0
 NEG_INF = float("-inf")
-_BUFFER_FLAGS = (7 << 12) | (4 << 15)  # CDNA raw buffer descriptor word 3
-_NO_LIMIT = 0xFFFFFFFF
 
 
 @fx.struct
@@ -144,43 +151,26 @@ class _DecodeLds:
 # ---------------------------------------------------------------------------------------------
 
 
-def _raw(x) -> ir.Value:
-    """The MLIR value of a DSL value."""
-    return _to_raw(x)
-
-
-def _global_ptr(tensor) -> ir.Value:
+def _tensor_ptr(tensor) -> ir.Value:
     """!llvm.ptr<1> to the first element of a tensor argument."""
     return fx.get_iter(tensor).llvm_ptr
 
 
 def _byte_offset(ptr: ir.Value, offset) -> ir.Value:
     """``ptr + offset`` bytes; ``offset`` is 64-bit (or a Python int)."""
-    return llvm.GEPOp(ptr.type, ptr, [_raw(fx.Int64(offset))], [-(2**31)], T.i8, None).result
-
-
-def _descriptor(ptr: ir.Value, num_records=_NO_LIMIT) -> ir.Value:
-    """Raw buffer descriptor (stride 0) at ``ptr``; accesses at byte offsets >= num_records
-    read 0 / are dropped without touching memory."""
-    return mlir_rocdl.make_buffer_rsrc(
-        ir.Type.parse("!llvm.ptr<8>"),
-        ptr,
-        _raw(fx.Int16(0)),
-        _raw(fx.Int64(num_records)),
-        _raw(fx.Int32(_BUFFER_FLAGS)),
-    )
+    return llvm.GEPOp(ptr.type, ptr, [as_ir(fx.Int64(offset))], [-(2**31)], T.i8, None).result
 
 
 def _load(rsrc: ir.Value, offset, dwords: int):
     """Buffer load of ``dwords`` 32-bit words at a per-lane byte offset (i32 or vector)."""
     ty = T.i32 if dwords == 1 else T.vec(dwords, T.i32)
-    value = rocdl.raw_ptr_buffer_load(ty, rsrc, _raw(fx.Int32(offset)), _raw(fx.Int32(0)), 0)
+    value = rocdl.raw_ptr_buffer_load(ty, rsrc, as_ir(fx.Int32(offset)), as_ir(fx.Int32(0)), 0)
     return fx.Int32(value) if dwords == 1 else fx.Vector(value)
 
 
 def _store(rsrc: ir.Value, offset, value) -> None:
     """Buffer store of a 32/64/128-bit value at a per-lane byte offset."""
-    mlir_rocdl.RawPtrBufferStoreOp(_raw(value), rsrc, _raw(fx.Int32(offset)), _raw(fx.Int32(0)))
+    mlir_rocdl.RawPtrBufferStoreOp(as_ir(value), rsrc, as_ir(fx.Int32(offset)), as_ir(fx.Int32(0)))
 
 
 def _scalar_load(rsrc: ir.Value, offset) -> fx.Int32:
@@ -190,7 +180,7 @@ def _scalar_load(rsrc: ir.Value, offset) -> fx.Int32:
     value = llvm.call_intrinsic(
         T.i32,
         "llvm.amdgcn.s.buffer.load.i32",
-        [as_v4, _raw(fx.Int32(offset)), _raw(fx.Int32(0))],
+        [as_v4, as_ir(fx.Int32(offset)), as_ir(fx.Int32(0))],
         [],
         [],
     )
@@ -199,7 +189,7 @@ def _scalar_load(rsrc: ir.Value, offset) -> fx.Int32:
 
 def _lds_ptr(base: ir.Value, offset) -> ir.Value:
     """!llvm.ptr<3> at ``base + offset`` bytes (i32 offset)."""
-    return llvm.GEPOp(base.type, base, [_raw(fx.Int32(offset))], [-(2**31)], T.i8, None).result
+    return llvm.GEPOp(base.type, base, [as_ir(fx.Int32(offset))], [-(2**31)], T.i8, None).result
 
 
 def _lds_load(base: ir.Value, offset, ty: ir.Type, align: int) -> ir.Value:
@@ -209,7 +199,7 @@ def _lds_load(base: ir.Value, offset, ty: ir.Type, align: int) -> ir.Value:
 
 def _lds_store(base: ir.Value, offset, value, align: int) -> None:
     """LDS store of one value."""
-    llvm.StoreOp(_raw(value), _lds_ptr(base, offset), alignment=align)
+    llvm.StoreOp(as_ir(value), _lds_ptr(base, offset), alignment=align)
 
 
 def _lds_fence() -> None:
@@ -230,21 +220,9 @@ def _vector_i32(words: list) -> fx.Vector:
     return fx.Vector.from_elements(words, dtype=fx.Int32)
 
 
-def _bf16_pair(word: fx.Int32) -> tuple:
-    """The two bf16 halves (low = element 2i) of a 32-bit word as exact f32 values."""
-    lo = (word << 16).bitcast(fx.Float32)
-    hi = (word & -65536).bitcast(fx.Float32)
-    return lo, hi
-
-
 def _pow2_of_byte(byte: fx.Int32) -> fx.Float32:
     """UE8M0 byte e -> f32 2^(e - 127) (byte 0 -> +0.0, the zero-group / masked value)."""
     return (byte << 23).bitcast(fx.Float32)
-
-
-def _exp2(x: fx.Float32) -> fx.Float32:
-    """v_exp_f32."""
-    return fx.Float32(rocdl.exp2(T.f32, _raw(x)))
 
 
 def _occupancy_attrs(waves_per_simd: int) -> dict:
@@ -255,20 +233,11 @@ def _occupancy_attrs(waves_per_simd: int) -> dict:
     }
 
 
-def _pin(value):
-    """Returns ``value`` through an empty volatile asm: an ordering point the compiler cannot
-    move computations of ``value``'s users above (keeps tiles from overlapping, which would
-    raise register pressure)."""
-    raw = _raw(value)
-    out = llvm.inline_asm(raw.type, [raw], "", "=v,0", has_side_effects=True)
-    return fx.Vector(out) if isinstance(value, fx.Vector) else type(value)(out)
-
-
 def _pin_all(values):
-    """``_pin`` over a (nested) list / tuple of values."""
+    """``pin`` over a (nested) list / tuple of values."""
     if isinstance(values, (list, tuple)):
         return type(values)(_pin_all(v) for v in values)
-    return _pin(values)
+    return pin(values)
 
 
 def _fmax(a: fx.Float32, b: fx.Float32) -> fx.Float32:
@@ -304,11 +273,11 @@ def _hadamard_across_lanes(v: list, chunk: fx.Int32) -> list:
     the 8 lanes of a row) through ds_swizzle; the upper half computes partner - mine."""
     for s in range(3):
         k = 1 << s
-        pattern = _raw(fx.Int32((k << 10) | 0x1F))  # bitmask mode: and 0x1F, or 0, xor k
+        pattern = as_ir(fx.Int32((k << 10) | 0x1F))  # bitmask mode: and 0x1F, or 0, xor k
         sign = ((chunk & k) != 0).select(fx.Float32(-1.0), fx.Float32(1.0))
         out = []
         for x in v:
-            partner = fx.Int32(mlir_rocdl.ds_swizzle(T.i32, _raw(x.bitcast(fx.Int32)), pattern))
+            partner = fx.Int32(mlir_rocdl.ds_swizzle(T.i32, as_ir(x.bitcast(fx.Int32)), pattern))
             out.append(x * sign + partner.bitcast(fx.Float32))
         v = out
     return v
@@ -317,12 +286,7 @@ def _hadamard_across_lanes(v: list, chunk: fx.Int32) -> list:
 def _e4m3_words(v: list) -> list:
     """32 f32 -> 8 words of e4m3 bytes: x / 16 clamped to +-448, cvt_pk_fp8_f32 (RNE)."""
     scaled = [fx.min(fx.max(x * (1.0 / 16.0), -FP8_MAX), FP8_MAX) for x in v]
-    words = []
-    for i in range(0, 32, 4):
-        w = rocdl.cvt_pk_fp8_f32(T.i32, scaled[i], scaled[i + 1], _raw(fx.Int32(0)), False)
-        w = rocdl.cvt_pk_fp8_f32(T.i32, scaled[i + 2], scaled[i + 3], w, True)
-        words.append(fx.Int32(w))
-    return words
+    return [fp8x4(scaled[i : i + 4]) for i in range(0, 32, 4)]
 
 
 def _stage_rotated_q(lds, q_rsrc, lane, group_size: int, stride_q_head) -> None:
@@ -337,7 +301,7 @@ def _stage_rotated_q(lds, q_rsrc, lane, group_size: int, stride_q_head) -> None:
         vals = []
         for j in range_constexpr(4):
             for w in _words(_load(q_rsrc, offset + j * 16, 4), 4):
-                vals.extend(_bf16_pair(w))
+                vals.extend(bf16_pair(w))
         vals = [active.select(x, fx.Float32(0.0)) for x in vals]
         words = _e4m3_words(_hadamard_across_lanes(_hadamard_32(vals), chunk))
         dst = row * Q_ROW_BYTES + _dest_base(chunk)
@@ -371,7 +335,7 @@ def _tile_loads(tile_start, ctx: dict) -> tuple:
         tile_start & (block_size - 1)
     )
     base = _byte_offset(ctx["cache"], first_slot * fx.Int64(ctx["stride_pos"]) + ctx["head_off"])
-    rsrc = _descriptor(base, fx.Int64(n_valid * ctx["stride_pos"]))
+    rsrc = buffer_rsrc(base, fx.Int64(n_valid * ctx["stride_pos"]))
     k_off, v_off = ctx["k_off"], ctx["v_off"]
     k_ops = [_load(rsrc, k_off + K_CODES + 64 * h, 4) for h in range(2)]
     k_scales = _words(_load(rsrc, ctx["ks_off"], 2), 2)
@@ -387,10 +351,8 @@ def _qk_scores(k_ops, k_scales, q_ops, k_group) -> fx.Vector:
     shift = k_group * 8
     for h in range(2):
         scale = (k_scales[h] >> shift) & 0xFF
-        acc = rocdl.mfma_scale_f32_16x16x128_f8f6f4(
-            T.f32x4, [k_ops[h], q_ops[h], acc, 4, 0, 0, _raw(scale), 0, _raw(fx.Int32(0x7F))]
-        )
-    return fx.Vector(acc)
+        acc = mfma_scaled(k_ops[h], q_ops[h], acc, scale, 0x7F, a_format=4)
+    return acc
 
 
 def _row_reduce(x: fx.Float32, combine) -> fx.Float32:
@@ -404,13 +366,13 @@ def _stage_v(lds, v_words, v_scale, tok, chunk) -> None:
     to the LDS V tile (row-major, V_ROW_BYTES per token)."""
     for hf in range(2):
         byte = (v_scale >> (((chunk * 2 + hf) & 3) * 8)) & 0xFF
-        scale = _raw(_pow2_of_byte(byte))
+        scale = as_ir(_pow2_of_byte(byte))
         for w in range(4):
             pairs = [
                 llvm.bitcast(
                     T.i32,
                     mlir_rocdl.cvt_scalef32_pk_bf16_fp4(
-                        T.vec(2, T.bf16), _raw(v_words[hf][w]), scale, sel
+                        T.vec(2, T.bf16), as_ir(v_words[hf][w]), scale, sel
                     ),
                 )
                 for sel in range(4)
@@ -431,7 +393,7 @@ def _pv(lds, lane, p_op, acc_pv: list) -> list:
             ptr = _lds_ptr(lds, base + h * 32)
             v_op = mlir_rocdl.ds_read_tr16_b64(T.vec(4, T.i16), ptr).result
             group.append(
-                fx.Vector(rocdl.mfma_f32_16x16x16bf16_1k(T.f32x4, [v_op, _raw(p_op), acc_pv[h]]))
+                fx.Vector(rocdl.mfma_f32_16x16x16bf16_1k(T.f32x4, [v_op, as_ir(p_op), acc_pv[h]]))
             )
         out.extend(_pin_all(group))
     return out
@@ -469,12 +431,12 @@ def _build_decode(group_size: int, block_size: int):
         q_first = fx.Int64(seq) * fx.Int64(stride_q_seq) + fx.Int64(
             kv_head * group_size
         ) * fx.Int64(stride_q_head)
-        q_rsrc = _descriptor(_byte_offset(_global_ptr(q), q_first * 2))
+        q_rsrc = buffer_rsrc(_byte_offset(_tensor_ptr(q), q_first * 2))
         _stage_rotated_q(lds, q_rsrc, lane, group_size, stride_q_head)
         _lds_fence()
 
         # ---- per-request scalars and per-lane offsets ----
-        sl_rsrc = _descriptor(_global_ptr(seq_lens))
+        sl_rsrc = buffer_rsrc(_tensor_ptr(seq_lens))
         capacity = max_blocks_per_seq * block_size
         seq_len = fx.max(fx.min(_scalar_load(sl_rsrc, seq * 4), capacity), 0)
         stride_pos = num_kv_heads * slot_bytes
@@ -486,9 +448,9 @@ def _build_decode(group_size: int, block_size: int):
             "block_size": block_size,
             "num_blocks": num_blocks,
             "stride_pos": stride_pos,
-            "cache": _global_ptr(cache),
+            "cache": _tensor_ptr(cache),
             "head_off": fx.Int64(kv_head * slot_bytes),
-            "bt_rsrc": _descriptor(_byte_offset(_global_ptr(block_tables), bt_first)),
+            "bt_rsrc": buffer_rsrc(_byte_offset(_tensor_ptr(block_tables), bt_first)),
             "k_off": k_token * stride_pos + k_group * 16,
             "ks_off": k_token * stride_pos + K_SCALES,
             "v_off": v_token * stride_pos + v_chunk * 32,
@@ -525,9 +487,9 @@ def _build_decode(group_size: int, block_size: int):
                 )
                 new_max = _fmax(run_max, tile_max)
                 seen = run_max > NEG_INF
-                alpha = _exp2(seen.select(run_max - new_max, 0.0) * LOG2E)
+                alpha = exp2(seen.select(run_max - new_max, 0.0) * LOG2E)
                 live = new_max > NEG_INF
-                probs = [_exp2(live.select(s - new_max, NEG_INF) * LOG2E) for s in scores]
+                probs = [exp2(live.select(s - new_max, NEG_INF) * LOG2E) for s in scores]
                 tile_sum = _row_reduce(
                     ((probs[0] + probs[1]) + probs[2]) + probs[3], lambda a, b: a + b
                 )
@@ -549,8 +511,8 @@ def _build_decode(group_size: int, block_size: int):
         inv4 = fx.Vector.from_elements([inv] * 4, dtype=fx.Float32)
         first_row = ((seq * num_kv_heads + kv_head) * num_partitions + part) * group_size
         # Lanes of rows >= G (and, for max/sum, of 4-token groups > 0) store out of range.
-        o_rsrc = _descriptor(
-            _byte_offset(_global_ptr(out_parts), fx.Int64(first_row) * (2 * HEAD_DIM)),
+        o_rsrc = buffer_rsrc(
+            _byte_offset(_tensor_ptr(out_parts), fx.Int64(first_row) * (2 * HEAD_DIM)),
             group_size * 2 * HEAD_DIM,
         )
         row_off = (lane & 15) * (2 * HEAD_DIM) + (lane >> 4) * 8
@@ -558,8 +520,8 @@ def _build_decode(group_size: int, block_size: int):
             o = (acc_pv[h] * inv4).to(fx.BFloat16)
             _store(o_rsrc, row_off + h * 32, o.bitcast(fx.Int32))
         for tensor, value in ((max_logits, run_max), (exp_sums, run_sum)):
-            rsrc = _descriptor(
-                _byte_offset(_global_ptr(tensor), fx.Int64(first_row) * 4), group_size * 4
+            rsrc = buffer_rsrc(
+                _byte_offset(_tensor_ptr(tensor), fx.Int64(first_row) * 4), group_size * 4
             )
             _store(rsrc, lane * 4, value)
 
@@ -630,10 +592,10 @@ def _build_reduce():
         g = head - kv_head * query_group_size
         # Row of partition p: ((seq * Hk + kv_head) * P + p) * G + g.
         first_row = (seq * num_kv_heads + kv_head) * num_partitions * query_group_size + g
-        ml_rsrc = _descriptor(_byte_offset(_global_ptr(max_logits), fx.Int64(first_row) * 4))
-        es_rsrc = _descriptor(_byte_offset(_global_ptr(exp_sums), fx.Int64(first_row) * 4))
-        o_rsrc = _descriptor(
-            _byte_offset(_global_ptr(out_parts), fx.Int64(first_row) * (2 * HEAD_DIM))
+        ml_rsrc = buffer_rsrc(_byte_offset(_tensor_ptr(max_logits), fx.Int64(first_row) * 4))
+        es_rsrc = buffer_rsrc(_byte_offset(_tensor_ptr(exp_sums), fx.Int64(first_row) * 4))
+        o_rsrc = buffer_rsrc(
+            _byte_offset(_tensor_ptr(out_parts), fx.Int64(first_row) * (2 * HEAD_DIM))
         )
         row_stride = query_group_size * 4
 
@@ -649,9 +611,9 @@ def _build_reduce():
             p = fx.Int32(p)
             ml = _scalar_load(ml_rsrc, p * row_stride).bitcast(fx.Float32)
             es = _scalar_load(es_rsrc, p * row_stride).bitcast(fx.Float32)
-            w = _exp2((ml - ref) * LOG2E) * es
+            w = exp2((ml - ref) * LOG2E) * es
             o = _words(_load(o_rsrc, p * (row_stride * HEAD_DIM // 2) + lane * 8, 2), 2)
-            vals = [x for word in o for x in _bf16_pair(word)]
+            vals = [x for word in o for x in bf16_pair(word)]
             acc = [fx.Float32(state[1 + i]) + w * vals[i] for i in range(4)]
             acc_res = yield [fx.Float32(state[0]) + w] + acc
         total = fx.Float32(acc_res[0])
@@ -661,7 +623,7 @@ def _build_reduce():
         packed = fx.Vector.from_elements(vals, dtype=fx.Float32).to(fx.BFloat16)
         num_q_heads = num_kv_heads * query_group_size
         out_first = (fx.Int64(seq) * fx.Int64(num_q_heads) + fx.Int64(head)) * (2 * HEAD_DIM)
-        out_rsrc = _descriptor(_byte_offset(_global_ptr(out), out_first))
+        out_rsrc = buffer_rsrc(_byte_offset(_tensor_ptr(out), out_first))
         _store(out_rsrc, lane * 8, packed.bitcast(fx.Int32))
 
     @flyc.jit
