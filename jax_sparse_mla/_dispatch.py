@@ -6,14 +6,16 @@ knows the names and why a missing one is missing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import TypeVar
+
+import jax
 
 IMPLEMENTATIONS = ("xla", "gfx950_emulation", "pallas", "flydsl")
 
 # Implementations that are part of the API but not built yet, and what is missing.
 _MISSING = {
-    "pallas": "the Pallas kernel for NVIDIA GPUs is not written yet",
     "flydsl": "the XLA FFI custom call that runs the FlyDSL gfx950 kernel is not written yet",
 }
 
@@ -23,11 +25,14 @@ F = TypeVar("F")
 def resolve_implementation(op: str, implementation: str | None, table: Mapping[str, F]) -> F:
     """Returns the function of ``table`` that runs ``op`` for ``implementation``.
 
-    ``None`` resolves to ``"xla"`` (the exact jax-native implementation, every platform).
+    ``None`` resolves to ``table[None]`` where the op has one (its choice per lowering
+    platform, see ``by_platform``), else to ``"xla"`` (the exact jax-native implementation).
     An unknown name raises ValueError; a known implementation that ``op`` does not have yet
     raises NotImplementedError naming the missing piece.
     """
-    name = "xla" if implementation is None else implementation
+    if implementation is None:
+        return table.get(None) or table["xla"]
+    name = implementation
     if name not in IMPLEMENTATIONS:
         raise ValueError(
             f"{op}: implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}"
@@ -39,3 +44,17 @@ def resolve_implementation(op: str, implementation: str | None, table: Mapping[s
             "Use implementation='xla' (or None)."
         )
     return table[name]
+
+
+def by_platform(default: Callable, **per_platform: Callable) -> Callable:
+    """``fn(*arrays, **options)`` that runs ``per_platform[p]`` when lowered for platform ``p``
+    (e.g. ``cuda=...``) and ``default`` elsewhere (``jax.lax.platform_dependent``: a lowering
+    holds only its own platform's branch). Every branch must return the same shapes."""
+
+    def run(*args, **options):
+        branches = {p: functools.partial(f, **options) for p, f in per_platform.items()}
+        return jax.lax.platform_dependent(
+            *args, default=functools.partial(default, **options), **branches
+        )
+
+    return run

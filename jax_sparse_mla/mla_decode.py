@@ -18,8 +18,21 @@ from jax_sparse_mla._checks import (
     check_scalar,
     run_data_check,
 )
-from jax_sparse_mla._dispatch import resolve_implementation
+from jax_sparse_mla._dispatch import by_platform, resolve_implementation
+from jax_sparse_mla.emulation.mla_decode import (
+    merge_attn_states_gfx950_emulation,
+    mla_decode_partials_gfx950_emulation,
+)
 from jax_sparse_mla.formats import KV_DIM
+from jax_sparse_mla.kernels.pallas._common import hopper_or
+from jax_sparse_mla.kernels.pallas.mla_decode import (
+    merge_attn_states_pallas,
+    merge_kernel,
+    mla_decode_kernel,
+    mla_decode_pallas,
+    mla_decode_partials_kernel,
+    mla_decode_partials_pallas,
+)
 from jax_sparse_mla.reference.attention import merge_partials
 from jax_sparse_mla.reference.mla_decode import merge_partials_bf16, mla_decode_partials_f32
 
@@ -31,14 +44,67 @@ class DecodeImplementation(NamedTuple):
 
     partials(q, kv_codes, kv_indices, kv_indptr, *, qlen, k_scale, v_scale, sm_scale, num_splits)
       -> (o_parts [B*qlen, S, H, 512] float, lse_parts [B*qlen, S, H] f32);
-    combine(o_parts, lse_parts) -> (out [B*qlen, H, 512] bf16, lse [B*qlen, H] f32).
+    combine(o_parts, lse_parts) -> (out in o_parts' dtype, combined in f32, lse f32);
+    decode(same arguments as partials, num_splits None = the implementation's choice)
+      -> (out [B*qlen, H, 512] bf16, lse [B*qlen, H] f32).
     """
 
     partials: Callable
     combine: Callable
+    decode: Callable
 
 
-_IMPLEMENTATIONS = {"xla": DecodeImplementation(mla_decode_partials_f32, merge_partials_bf16)}
+def _merge_xla(o_parts, lse_parts):
+    o, lse = merge_partials(o_parts, lse_parts)
+    return o.astype(o_parts.dtype), lse
+
+
+def _merge_emulation(o_parts, lse_parts):
+    o, lse = merge_attn_states_gfx950_emulation(o_parts, lse_parts)  # bf16, as the kernel writes
+    return o.astype(o_parts.dtype), lse
+
+
+def _partials_then_combine(partials: Callable, combine: Callable) -> Callable:
+    """decode = the partials (num_splits None: 1) merged by ``combine`` (-> bf16, lse)."""
+
+    def decode(*args, num_splits, **kw):
+        return combine(*partials(*args, num_splits=num_splits or 1, **kw))
+
+    return decode
+
+
+_XLA = DecodeImplementation(
+    mla_decode_partials_f32,
+    _merge_xla,
+    _partials_then_combine(mla_decode_partials_f32, merge_partials_bf16),
+)
+_GFX950_EMULATION = DecodeImplementation(
+    mla_decode_partials_gfx950_emulation,
+    _merge_emulation,
+    _partials_then_combine(
+        mla_decode_partials_gfx950_emulation, merge_attn_states_gfx950_emulation
+    ),
+)
+_PALLAS = DecodeImplementation(
+    mla_decode_partials_pallas, merge_attn_states_pallas, mla_decode_pallas
+)
+
+
+_COMPILED = DecodeImplementation(mla_decode_partials_kernel, merge_kernel, mla_decode_kernel)
+
+
+def _auto(field: str):
+    """implementation=None: the compiled Pallas kernel on Hopper GPUs, "xla" everywhere else."""
+    xla = getattr(_XLA, field)
+    return by_platform(default=xla, cuda=hopper_or(getattr(_COMPILED, field), xla))
+
+
+_IMPLEMENTATIONS = {
+    "xla": _XLA,
+    "gfx950_emulation": _GFX950_EMULATION,
+    "pallas": _PALLAS,
+    None: DecodeImplementation(*(_auto(f) for f in DecodeImplementation._fields)),
+}
 _KV_DTYPES = (jnp.float8_e4m3fn, jnp.uint8)
 
 
@@ -73,10 +139,12 @@ def mla_decode(
       qlen: query positions per request (static).
       k_scale, v_scale: per-tensor dequantization scales (float or 0-d array).
       sm_scale: softmax scale; default 576 ** -0.5.
-      num_splits: KV splits per request (static; default 1 for "xla"). The exact
-        implementation combines its splits in float32, so the answer does not depend on it.
+      num_splits: KV splits per request (static; default 1 for "xla", enough to fill the GPU
+        for "pallas"). Splits are combined in float32, so the answer does not depend on it.
       return_lse: also return the natural-log LSE.
-      implementation: None, "xla", "pallas" or "flydsl".
+      implementation: None (the Pallas kernel on Hopper GPUs, "xla" elsewhere), "xla",
+        "pallas" (compiled on CUDA, Pallas interpret mode elsewhere), "flydsl" or
+        "gfx950_emulation" (the gfx950 kernels' own arithmetic in jnp, every platform).
       validate: run ``validate_mla_decode``'s data checks.
     Returns:
       out [B * qlen, H, 512] bfloat16, and with ``return_lse`` also lse [B * qlen, H] float32.
@@ -87,8 +155,7 @@ def mla_decode(
         op, q, kv, kv_indices, kv_indptr, qlen, k_scale, v_scale, sm_scale, validate
     )
     impl = resolve_implementation(op, implementation, _IMPLEMENTATIONS)
-    o_parts, lse_parts = impl.partials(*args, **kw, num_splits=num_splits or 1)
-    out, lse = impl.combine(o_parts, lse_parts)
+    out, lse = impl.decode(*args, **kw, num_splits=num_splits)
     return (out, lse) if return_lse else out
 
 
@@ -175,7 +242,13 @@ def _check_data(kv_indices: np.ndarray, kv_indptr: np.ndarray, tokens) -> None:
     check_index_range(op, "kv_indices", kv_indices, tokens, f"kv has {tokens} tokens")
 
 
-def merge_attn_states(o_parts: jax.Array, lse_parts: jax.Array, *, return_lse: bool = False):
+def merge_attn_states(
+    o_parts: jax.Array,
+    lse_parts: jax.Array,
+    *,
+    return_lse: bool = False,
+    implementation: str | None = None,
+):
     """Combines attention partials (split KV, or context-parallel shards across devices).
 
     Weights are ``exp(lse_s - max_s lse_s)``; a -inf partial has weight 0 (its o is ignored,
@@ -185,6 +258,8 @@ def merge_attn_states(o_parts: jax.Array, lse_parts: jax.Array, *, return_lse: b
       o_parts: [n, S, H, D] float partial outputs, each normalized by its own sum.
       lse_parts: [n, S, H] float32 natural-log LSEs.
       return_lse: also return the combined lse.
+      implementation: None, "xla", "pallas" or "gfx950_emulation" (as for ``mla_decode``; the
+        emulation rounds the merged output to bf16, as the gfx950 combine kernel does).
     Returns:
       o [n, H, D] in o_parts' dtype (combined in float32), and with ``return_lse`` also
       lse [n, H] float32.
@@ -198,6 +273,6 @@ def merge_attn_states(o_parts: jax.Array, lse_parts: jax.Array, *, return_lse: b
         raise ValueError(
             f"{op}: o_parts needs at least one partial (S >= 1), got shape {list(o_parts.shape)}"
         )
-    o, lse = merge_partials(o_parts, lse_parts)
-    o = o.astype(o_parts.dtype)
+    impl = resolve_implementation(op, implementation, _IMPLEMENTATIONS)
+    o, lse = impl.combine(o_parts, lse_parts)
     return (o, lse) if return_lse else o

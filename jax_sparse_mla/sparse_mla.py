@@ -13,14 +13,23 @@ from jax_sparse_mla._checks import (
     check_scalar,
     run_data_check,
 )
-from jax_sparse_mla._dispatch import resolve_implementation
+from jax_sparse_mla._dispatch import by_platform, resolve_implementation
+from jax_sparse_mla.emulation.sparse_mla import sparse_mla_gfx950_emulation
 from jax_sparse_mla.formats import KV_DIM, MAX_KERNEL_SCALE, RECORD_BYTES, SCALES_OFFSET
+from jax_sparse_mla.kernels.pallas._common import hopper_or
+from jax_sparse_mla.kernels.pallas.sparse_mla import sparse_mla_kernel, sparse_mla_pallas
 from jax_sparse_mla.reference.sparse_mla import sparse_mla_xla
 
 DEFAULT_SM_SCALE = KV_DIM**-0.5
 
-# implementation name -> fn(q, kv, idx, indptr, sm_scale) -> (out bf16, lse f32)
-_IMPLEMENTATIONS = {"xla": sparse_mla_xla}
+# implementation name -> fn(q, kv, idx, indptr, sm_scale) -> (out bf16, lse f32); None is the
+# choice of implementation=None: the Pallas kernel on Hopper GPUs, "xla" everywhere else.
+_IMPLEMENTATIONS = {
+    "xla": sparse_mla_xla,
+    "gfx950_emulation": sparse_mla_gfx950_emulation,
+    "pallas": sparse_mla_pallas,
+    None: by_platform(default=sparse_mla_xla, cuda=hopper_or(sparse_mla_kernel, sparse_mla_xla)),
+}
 
 
 def sparse_mla(
@@ -48,7 +57,9 @@ def sparse_mla(
       indptr: [n_q + 1] int32 CSR row pointers.
       sm_scale: softmax scale (float or 0-d array); default 576 ** -0.5.
       return_lse: also return the natural-log LSE of the scaled scores.
-      implementation: None (best available), "xla" (exact, every platform), "pallas", "flydsl".
+      implementation: None (the Pallas kernel on Hopper GPUs, "xla" elsewhere), "xla" (exact,
+        every platform), "pallas" (compiled on CUDA, Pallas interpret mode elsewhere), "flydsl",
+        "gfx950_emulation" (the gfx950 kernel's own arithmetic in jnp, every platform).
       validate: check the data-dependent preconditions (see ``validate_sparse_mla``); raises
         ValueError (eagerly on concrete inputs, at run time under ``jax.jit``).
     Returns:

@@ -13,14 +13,32 @@ from jax_sparse_mla._checks import (
     check_scalar,
     run_data_check,
 )
-from jax_sparse_mla._dispatch import resolve_implementation
+from jax_sparse_mla._dispatch import by_platform, resolve_implementation
+from jax_sparse_mla.emulation.ultraquant import ultraquant_decode_gfx950_emulation
 from jax_sparse_mla.formats import UQ_HEAD_DIM, check_ultraquant_cache
+from jax_sparse_mla.kernels.pallas._common import hopper_or
+from jax_sparse_mla.kernels.pallas.ultraquant import (
+    ultraquant_decode_kernel,
+    ultraquant_decode_pallas,
+)
 from jax_sparse_mla.reference.ultraquant import ultraquant_decode_xla
 
 DEFAULT_SM_SCALE = 1.0 / 16.0
 
+
+def _xla(*args, num_partitions, **kw):
+    return ultraquant_decode_xla(*args, num_partitions=num_partitions or 1, **kw)
+
+
 # implementation name -> fn(q, cache, block_tables, seq_lens, *, sm_scale, num_partitions) -> bf16
-_IMPLEMENTATIONS = {"xla": ultraquant_decode_xla}
+# (num_partitions None: the implementation's choice); None is the choice of
+# implementation=None: the Pallas kernel on Hopper GPUs, "xla" everywhere else.
+_IMPLEMENTATIONS = {
+    "xla": _xla,
+    "gfx950_emulation": ultraquant_decode_gfx950_emulation,
+    "pallas": ultraquant_decode_pallas,
+    None: by_platform(default=_xla, cuda=hopper_or(ultraquant_decode_kernel, _xla)),
+}
 
 
 def ultraquant_decode(
@@ -48,10 +66,13 @@ def ultraquant_decode(
       block_tables: [B, max_blocks] int32.
       seq_lens: [B] int32.
       sm_scale: softmax scale (float or 0-d array); default 1/16.
-      num_partitions: P (static; default 1 for "xla"): partition p owns the tile-groups p, p + P,
-        ... and the partitions are reduced at the end; the exact implementation reduces in
-        float32, so the answer does not depend on P.
-      implementation: None, "xla", "pallas" or "flydsl".
+      num_partitions: P (static; default 1 for "xla", enough to fill the GPU for "pallas"):
+        for "xla" partition p owns the tile-groups p, p + P, ..., for "pallas" a contiguous
+        run of tokens; the partitions are reduced in float32 at the end, so the answer does
+        not depend on P.
+      implementation: None (the Pallas kernel on Hopper GPUs, "xla" elsewhere), "xla",
+        "pallas" (compiled on CUDA, Pallas interpret mode elsewhere), "flydsl" or
+        "gfx950_emulation" (the gfx950 kernels' own arithmetic in jnp, every platform).
       validate: run ``validate_ultraquant_decode``'s data checks.
     Returns:
       [B, Hq, 256] bfloat16.
@@ -65,9 +86,7 @@ def ultraquant_decode(
         run_data_check(
             _check_data, block_tables, seq_lens, np.int32(cache.shape[0]), np.int32(cache.shape[1])
         )
-    return impl(
-        q, cache, block_tables, seq_lens, sm_scale=scale, num_partitions=num_partitions or 1
-    )
+    return impl(q, cache, block_tables, seq_lens, sm_scale=scale, num_partitions=num_partitions)
 
 
 def _check_static(op, q, cache, block_tables, seq_lens) -> None:

@@ -1,0 +1,218 @@
+"""Pallas ``ultraquant_decode``: GQA decode over the 4-bit UltraQuant paged cache.
+
+One program owns one request, one KV head (its G query heads, padded to 16 rows for the tensor
+cores) and one contiguous partition of the request's tokens, walked in tiles of ``BLOCK_K``
+tokens. Each slot is read once: the E2M1 codes become e4m3fn bytes by bit moves
+(``e4m3(code') = value * 2^-6``, exact, subnormal 0.5 included), then bf16 (exact), times the
+UE8M0 group scale (exact: a power of two); the 2^-6 is folded into the score scale and the
+output. K's low and high nibbles (stored elements 2i and 2i+1) are separate operands, so the
+rotated q is split into its even and odd columns instead of interleaving codes. The rotated q
+is float32; it enters the tensor cores as three bf16 pieces (hi + mid + lo = q exactly), so
+q·K is float32-accurate. P is rounded to bf16 for P @ V.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jax_sparse_mla.formats import (
+    UQ_GROUP,
+    UQ_GROUPS,
+    UQ_HEAD_DIM,
+    UQ_K_CODES,
+    UQ_K_SCALES,
+    UQ_V_CODES,
+    UQ_V_SCALES,
+    ultraquant_rotate,
+)
+from jax_sparse_mla.kernels.pallas._common import (
+    call,
+    choose_splits,
+    dot_nn,
+    dot_nt,
+    e4m3_to_bf16,
+    gather_1d,
+    gather_rows,
+    on_cuda_or_interpret,
+    pow2_at_least,
+    softmax_finish,
+    softmax_init,
+    softmax_update,
+    widen_offsets,
+)
+from jax_sparse_mla.kernels.pallas.merge import merge_partials_pallas
+
+BLOCK_K = 64  # tokens per tile
+HALF = UQ_HEAD_DIM // 2  # 128 code bytes: low nibbles are even elements, high nibbles odd
+Q_PIECES = 3  # bf16 pieces of the float32 rotated q
+FP8_BIAS = 64.0  # e4m3(code') = E2M1 value * 2^-6
+MIN_SPLIT_KEYS = 256
+NUM_WARPS = 8
+NUM_STAGES = 2
+
+
+def _fp4_halves(codes, scale_bytes):
+    """codes [K, 128] uint8, scale bytes [K, 8] -> (even, odd) [K, 128] bf16 = value * 2^-6."""
+    k = codes.shape[0]
+    scale = jax.lax.bitcast_convert_type(scale_bytes.astype(jnp.uint32) << 23, jnp.float32)
+    per_col = jnp.broadcast_to(scale[:, :, None], (k, UQ_GROUPS, UQ_GROUP // 2))
+    per_col = per_col.reshape(k, HALF).astype(jnp.bfloat16)
+
+    def to_bf16(nibble):
+        e4m3 = ((nibble & 7) << 2) | ((nibble & 8) << 4)
+        return e4m3_to_bf16(e4m3) * per_col
+
+    return to_bf16(codes & 0xF), to_bf16(codes >> 4)
+
+
+def _kernel(bt_ref, seq_ref, cache_ref, scale_ref, q_ref, o_ref, lse_ref, *, block_size,
+            num_blocks, kv_heads, num_parts):  # fmt: skip
+    b, kh, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    max_blocks = bt_ref.shape[0] // seq_ref.shape[0]
+    length = jnp.clip(seq_ref[b], 0, max_blocks * block_size)
+    chunk = BLOCK_K * ((length + BLOCK_K * num_parts - 1) // (BLOCK_K * num_parts))
+    lo = part * chunk
+    hi = jnp.minimum(lo + chunk, length)
+    q = [[q_ref[p, e] for e in range(2)] for p in range(Q_PIECES)]
+    m_rows = q_ref.shape[2]
+    key_iota = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_K,), 0)
+
+    def tile(t, carry):
+        m_run, l_run, acc_even, acc_odd = carry
+        j = lo + t * BLOCK_K + key_iota
+        in_seq = j < hi
+        blk = gather_1d(bt_ref, b * max_blocks + j // block_size, in_seq)
+        valid = in_seq & (blk >= 0) & (blk < num_blocks)
+        slot = (blk * block_size + j % block_size) * kv_heads + kh
+        k_even, k_odd = _fp4_halves(
+            gather_rows(cache_ref, slot, UQ_K_CODES, HALF, valid),
+            gather_rows(cache_ref, slot, UQ_K_SCALES, UQ_GROUPS, valid),
+        )
+        v_even, v_odd = _fp4_halves(
+            gather_rows(cache_ref, slot, UQ_V_CODES, HALF, valid),
+            gather_rows(cache_ref, slot, UQ_V_SCALES, UQ_GROUPS, valid),
+        )
+        s = dot_nt(q[0][0], k_even) + dot_nt(q[0][1], k_odd)
+        for p in range(1, Q_PIECES):
+            s = s + dot_nt(q[p][0], k_even) + dot_nt(q[p][1], k_odd)
+        s = jnp.where(valid[None, :], s * scale_ref[0], -jnp.inf)
+        m_run, l_run, alpha, p = softmax_update(m_run, l_run, s)
+        p16 = p.astype(jnp.bfloat16)
+        acc_even = acc_even * alpha[:, None] + dot_nn(p16, v_even)
+        acc_odd = acc_odd * alpha[:, None] + dot_nn(p16, v_odd)
+        return m_run, l_run, acc_even, acc_odd
+
+    num_tiles = (jnp.maximum(hi - lo, 0) + BLOCK_K - 1) // BLOCK_K
+    zeros = jnp.zeros((m_rows, HALF), jnp.float32)
+    m_run, l_run, acc_even, acc_odd = jax.lax.fori_loop(
+        0, num_tiles, tile, (*softmax_init(m_rows), zeros, zeros)
+    )
+    inv_l, lse = softmax_finish(m_run, l_run)
+    norm = (inv_l * FP8_BIAS)[:, None]
+    o_ref[:, 0, :] = acc_even * norm
+    o_ref[:, 1, :] = acc_odd * norm
+    lse_ref[...] = lse
+
+
+def _bf16_pieces(x, count: int):
+    """float32 x -> ``count`` bf16 arrays summing to x (exactly for count = 3).
+
+    Each piece is x's remaining top 8 significant bits, cut off the float32 bits (no rounding
+    convert: XLA on GPU may drop a float32 -> bf16 -> float32 round trip as excess precision).
+    """
+    pieces = []
+    for _ in range(count):
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000)
+        top = jax.lax.bitcast_convert_type(bits, jnp.float32)
+        pieces.append(top.astype(jnp.bfloat16))  # exact: the low 16 bits are zero
+        x = x - top  # exact
+    return pieces
+
+
+def _q_operand(q, kv_heads: int, rows: int):
+    """q [B, Hq, 256] -> [B, Hk, 3, 2, rows, 128] bf16: pieces of the rotated q, even / odd."""
+    b, hq, _ = q.shape
+    g = hq // kv_heads
+    x = ultraquant_rotate(q).reshape(b, kv_heads, g, UQ_HEAD_DIM)
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, rows - g), (0, 0)))
+    x = jnp.stack(_bf16_pieces(x, Q_PIECES), axis=2)  # [B, Hk, 3, rows, 256]
+    return x.reshape(b, kv_heads, Q_PIECES, rows, HALF, 2).transpose(0, 1, 2, 5, 3, 4)
+
+
+def ultraquant_partials_kernel(q, cache, block_tables, seq_lens, *, sm_scale, num_partitions,
+                               interpret=False):  # fmt: skip
+    """Per-partition partials (partition p: tokens [p * c, min((p + 1) * c, seq_len)),
+    ``c = 128 * ceil(seq_len / (128 * P))``), in float32.
+
+    Args as ``ultraquant_decode_partials_f32``; ``num_partitions=None`` picks enough to fill the
+    GPU. Returns o [B, P, Hq, 256] float32 (V's space, normalized per partition) and
+    lse [B, P, Hq] float32.
+    """
+    o, lse, g = _partials(q, cache, block_tables, seq_lens, sm_scale, num_partitions, interpret)
+    b, p, hk, rows = lse.shape
+    o = o[:, :, :, :g].reshape(b, p, hk * g, 2, HALF).swapaxes(-1, -2)
+    return o.reshape(b, p, hk * g, UQ_HEAD_DIM), lse[..., :g].reshape(b, p, hk * g)
+
+
+def ultraquant_decode_kernel(q, cache, block_tables, seq_lens, *, sm_scale, num_partitions,
+                             interpret=False):  # fmt: skip
+    """UltraQuant decode, partials merged on the GPU: [B, Hq, 256] bfloat16."""
+    if q.shape[0] * q.shape[1] == 0 or cache.shape[0] * cache.shape[1] == 0:
+        return jnp.zeros(q.shape, jnp.bfloat16)
+    o, lse, g = _partials(q, cache, block_tables, seq_lens, sm_scale, num_partitions, interpret)
+    b, p, hk, rows = lse.shape
+    merged, _ = merge_partials_pallas(
+        o.reshape(b, p, hk * rows, UQ_HEAD_DIM), lse.reshape(b, p, hk * rows),
+        out_dtype=jnp.bfloat16, interpret=interpret,
+    )  # fmt: skip
+    merged = merged.reshape(b, hk, rows, 2, HALF)[:, :, :g].swapaxes(-1, -2)
+    return merged.reshape(q.shape)
+
+
+def _partials(q, cache, block_tables, seq_lens, sm_scale, num_partitions, interpret):
+    """-> o [B, P, Hk, rows, 2, 128] f32 (even | odd halves), lse [B, P, Hk, rows], G."""
+    b, hq, _ = q.shape
+    nb, bs, hk, slot_bytes = cache.shape
+    g = hq // hk
+    rows = pow2_at_least(g, 16)
+    if num_partitions is None:
+        avg = block_tables.shape[1] * bs  # the capacity bounds every request
+        num_partitions = choose_splits(b * hk, avg, MIN_SPLIT_KEYS)
+    kernel = functools.partial(
+        _kernel, block_size=bs, num_blocks=nb, kv_heads=hk, num_parts=num_partitions
+    )
+    scales = jnp.stack([jnp.float32(sm_scale) * FP8_BIAS])
+    flat = widen_offsets(cache.reshape(nb * bs * hk, slot_bytes))  # blocks >= nb are masked
+    o, lse = call(
+        kernel,
+        grid=(b, hk, num_partitions),
+        in_specs=[pl.no_block_spec] * 4
+        + [pl.BlockSpec((None, None, Q_PIECES, 2, rows, HALF), lambda i, h, s: (i, h, 0, 0, 0, 0))],
+        out_specs=(
+            pl.BlockSpec((None, None, None, rows, 2, HALF), lambda i, h, s: (i, s, h, 0, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda i, h, s: (i, s, h, 0)),
+        ),
+        out_shape=(
+            jax.ShapeDtypeStruct((b, num_partitions, hk, rows, 2, HALF), jnp.float32),
+            jax.ShapeDtypeStruct((b, num_partitions, hk, rows), jnp.float32),
+        ),
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
+        interpret=interpret,
+        name="ultraquant_decode",
+    )(
+        block_tables.reshape(-1),
+        seq_lens,
+        flat,
+        scales,
+        _q_operand(q, hk, rows),
+    )
+    return o, lse, g
+
+
+ultraquant_partials_pallas = on_cuda_or_interpret(ultraquant_partials_kernel)
+ultraquant_decode_pallas = on_cuda_or_interpret(ultraquant_decode_kernel)
