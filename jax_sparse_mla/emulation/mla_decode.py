@@ -60,6 +60,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jax_sparse_mla.emulation._rounding import narrow, rounded
 from jax_sparse_mla.formats import LATENT_DIM, pow2
 
 BLOCK = 128  # keys per block (the kernel's KV block)
@@ -74,7 +75,7 @@ LO_SHIFT = 32.0  # lo = e4m3(residual * 32): the largest power of two keeping |l
 
 def _e4m3(x: jax.Array) -> jax.Array:
     """float32 -> nearest e4m3fn value (RNE) as float32; inputs are within +-448."""
-    return x.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    return rounded(x, jnp.float8_e4m3fn)
 
 
 def exp2(x: jax.Array) -> jax.Array:
@@ -205,7 +206,7 @@ def mla_decode_partials_gfx950_emulation(
     o = o.reshape(b, s_count, qlen, h, LATENT_DIM).transpose(0, 2, 1, 3, 4)
     lse = lse.reshape(b, s_count, qlen, h).transpose(0, 2, 1, 3)
     return (
-        o.reshape(rows, s_count, h, LATENT_DIM).astype(jnp.bfloat16),
+        narrow(o.reshape(rows, s_count, h, LATENT_DIM), jnp.bfloat16),
         lse.reshape(rows, s_count, h),
     )
 

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_sparse_mla.emulation._rounding import rounded
 from jax_sparse_mla.formats import (
     LATENT_DIM,
     NUM_SCALES,
@@ -69,7 +70,7 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 def _e4m3(x: jax.Array) -> jax.Array:
     """f32 -> the value of its e4m3fn code (RNE); every caller has |x| <= 256."""
-    return x.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    return rounded(x, jnp.float8_e4m3fn)
 
 
 def split_q(q_latent: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -164,7 +165,7 @@ def sparse_mla_gfx950_emulation(
         l_new = l_sum * alpha + jnp.sum(p, axis=-1)
         sv = jax.lax.bitcast_convert_type(jnp.clip(scale_bits, 1, SCALE_CAP_BITS), jnp.float32)
         sv = jnp.where(valid[..., None], sv, 0.0)[:, None]  # [n_q, 1, T, 4]
-        p16 = (p[..., None] * sv).astype(jnp.float16).astype(jnp.float32)  # [n_q, H, T, 4]
+        p16 = rounded(p[..., None] * sv, jnp.float16)  # [n_q, H, T, 4]
         pv = jnp.einsum("rhtj,rtjd->rhjd", p16, codes, precision=_HIGHEST)
         return m_new, l_new, o * alpha[..., None, None] + pv
 

@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_sparse_mla.emulation._rounding import narrow, rounded
 from jax_sparse_mla.formats import UQ_HEAD_DIM, UQ_STORED_SOURCE, _unpack_slots, pow2
 from jax_sparse_mla.reference.attention import ceil_div
 
@@ -91,7 +92,7 @@ def rotate_query(q: jax.Array) -> jax.Array:
         x = jnp.stack([a + b, a - b], axis=-2)
         stride *= 2
     x = x.reshape(*lead, UQ_HEAD_DIM) * jnp.float32(1.0 / 16.0)
-    q8 = jnp.clip(x, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    q8 = rounded(jnp.clip(x, -FP8_MAX, FP8_MAX), jnp.float8_e4m3fn)
     return q8[..., UQ_STORED_SOURCE]
 
 
@@ -153,7 +154,7 @@ def ultraquant_decode_gfx950_partials_emulation(
         live = (new_max > neg_inf)[..., None]
         p = exp2(jnp.where(live, s - new_max[..., None], neg_inf) * LOG2E)
         run_sum = run_sum * alpha + _tile_sum(p)
-        p16 = p.astype(jnp.bfloat16).astype(jnp.float32)
+        p16 = rounded(p, jnp.bfloat16)
         pv = jnp.einsum("rhgt,rthd->rhgd", p16, v, precision=_HIGHEST)
         return new_max, run_sum, acc * alpha[..., None] + pv
 
@@ -166,7 +167,7 @@ def ultraquant_decode_gfx950_partials_emulation(
     num_tiles = ceil_div(ceil_div(jnp.max(seq_len), TILE_GROUP), p_count) * N_TILES
     run_max, run_sum, acc = jax.lax.fori_loop(0, num_tiles, step, init)
     inv = jnp.float32(1.0) / jnp.where(run_sum > 0.0, run_sum, 1.0)
-    o = (acc * inv[..., None]).astype(jnp.bfloat16)
+    o = narrow(acc * inv[..., None], jnp.bfloat16)
     return (
         o.reshape(bsz, p_count, hq, UQ_HEAD_DIM),
         run_max.reshape(bsz, p_count, hq),
