@@ -342,3 +342,21 @@ def test_bound_catches_wrong_query(variant, monkeypatch):
     monkeypatch.setattr(E, "rotate_query", variant)
     with pytest.raises(AssertionError, match="out of bound"):
         check(run(case, num_partitions, fresh=True), r, num_partitions)
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernel's own layout of the rotated q is the writer's permutation of K
+# ---------------------------------------------------------------------------------------------
+
+
+def test_kernel_q_store_matches_the_writer_permutation():
+    """Lane chunk c holds rotated dims 32c + t; the kernel stores t < 16 at byte
+    ``dest_base(c) + t`` and t >= 16 at ``dest_base(c) + 32 + (t - 16)`` of the e4m3 q row:
+    every dim must land where ``ultraquant_store`` puts the same dim of K."""
+    pytest.importorskip("flydsl", reason="needs the gfx950-build extra (flydsl)")
+    K = pytest.importorskip("jax_sparse_mla.kernels.gfx950.ultraquant")
+    placed = np.empty(256, np.int64)
+    for c in range(8):
+        for t in range(32):
+            placed[32 * c + t] = K._dest_base(c) + (t if t < 16 else 32 + t - 16)
+    np.testing.assert_array_equal(placed, UQ_STORE_POSITION)
