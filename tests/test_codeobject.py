@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import struct
@@ -122,3 +123,36 @@ def test_resources_match_the_compiler_dump(tmp_path):
     next_free = int(re.search(r"\.amdhsa_next_free_vgpr (\d+)", isa).group(1))
     assert r.vgpr_alloc == max(8, -(-next_free // 8) * 8)
     assert os.path.exists(tmp_path / "probe.h")
+
+
+def test_a_crashing_configuration_is_named(tmp_path, monkeypatch):
+    """A compiler process that dies (an LLVM abort) fails only its culprit: the rest of its
+    chunk is retried one configuration per process."""
+    from jax_sparse_mla import build
+
+    @dataclasses.dataclass(frozen=True)
+    class Cfg:
+        n: int
+
+        @property
+        def symbol(self) -> str:
+            return f"jsm_fake_{self.n}"
+
+    calls = []
+
+    def fake_worker(arch, chunk, objects, env):
+        calls.append([j.index for j in chunk])
+        for job in chunk:
+            if job.index == 3:
+                return -6, "LLVM ERROR: cannot select"
+            (objects / f"{job.config.symbol}.json").write_text('{"seconds": 0}')
+        return 0, ""
+
+    monkeypatch.setattr(build, "_worker", fake_worker)
+    monkeypatch.setattr(build, "KERNEL_MODULES", ("fake",))
+    jobs = [build.Job("fake", i, Cfg(i), "key") for i in range(6)]
+    failures = build._run_jobs("gfx950", jobs, tmp_path, {}, jobs=2)
+    assert failures == {"jsm_fake_3": "LLVM ERROR: cannot select"}
+    assert sorted(calls) == [[0, 1, 2], [3], [3, 4, 5], [4], [5]]  # two chunks, then singles
+    done = sorted(p.name for p in tmp_path.glob("*.json"))
+    assert done == [f"jsm_fake_{i}.json" for i in (0, 1, 2, 4, 5)]
