@@ -360,3 +360,161 @@ def test_kernel_q_store_matches_the_writer_permutation():
         for t in range(32):
             placed[32 * c + t] = K._dest_base(c) + (t if t < 16 else 32 + t - 16)
     np.testing.assert_array_equal(placed, UQ_STORE_POSITION)
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernel's own lane layouts: one 16-token tile through its address helpers
+# ---------------------------------------------------------------------------------------------
+
+LANES = np.arange(64)
+
+
+def _d_lanes(d):
+    """16x16 MFMA result -> [64 lanes, 4]: lane 16g + j holds rows 4g + [0, 4) of column j."""
+    return np.stack([d[4 * (LANES >> 4) + e, LANES & 15] for e in range(4)], axis=1)
+
+
+def _mfma_fp4_fp8(a, b, scale_a, scale_b):
+    """v_mfma_scale_f32_16x16x128_f8f6f4 with A e2m1 (cbsz 4) and B e4m3, as the kernel's
+    docstring states it: lane 16g + i holds row i of A (16 bytes: K 32g + [0, 32), element 2m in
+    byte m's low nibble) and column i of B (32 bytes: K 32g + [0, 32)); the E8M0 scale of K group
+    g of row / column i is byte 0 (op_sel 0) of lane 16g + i's scale operand. a [64, 16] and
+    b [64, 32] bytes, scales [64] -> [64 lanes, 4] float64."""
+    mat_a, mat_b = np.zeros((16, 128)), np.zeros((128, 16))
+    for g in range(4):
+        lanes, ks = 16 * g + np.arange(16), slice(32 * g, 32 * g + 32)
+        nibbles = np.stack([a[lanes] & 15, a[lanes] >> 4], axis=-1).reshape(16, 32)
+        sa = np.ldexp(1.0, (scale_a[lanes] & 0xFF).astype(np.int64) - 127)
+        sb = np.ldexp(1.0, (scale_b[lanes] & 0xFF).astype(np.int64) - 127)
+        mat_a[:, ks] = O.E2M1_TABLE[nibbles] * sa[:, None]
+        mat_b[ks, :] = O.e4m3_decode(b[lanes]).T * sb[None, :]
+    return _d_lanes(mat_a @ mat_b)
+
+
+def _mfma_bf16(a, b):
+    """v_mfma_f32_16x16x16_bf16: lane 16g + i holds row i of A and column i of B, K 4g + [0, 4);
+    a, b [64, 4] values -> [64 lanes, 4]."""
+    mat_a, mat_b = np.zeros((16, 16)), np.zeros((16, 16))
+    for g in range(4):
+        lanes = 16 * g + np.arange(16)
+        mat_a[:, 4 * g : 4 * g + 4] = a[lanes]
+        mat_b[4 * g : 4 * g + 4, :] = b[lanes].T
+    return _d_lanes(mat_a @ mat_b)
+
+
+def _tr16(lds_b16, addrs):
+    """ds_read_b64_tr_b16 (LDS as 2-byte elements): within each 16-lane row, lane t element k =
+    element t % 4 of the 4 that lane 4k + t // 4 addresses."""
+    addrs = np.asarray(addrs)
+    assert np.all(addrs % 8 == 0)
+    src = lds_b16[addrs[:, None] // 2 + np.arange(4)]
+    t, k = np.arange(16)[:, None], np.arange(4)[None, :]
+    return np.concatenate([src[16 * g + 4 * k + (t >> 2), t & 3] for g in range(4)])
+
+
+def _words(b):
+    """[..., 4n] little-endian bytes -> [..., n] uint32 words."""
+    return np.ascontiguousarray(b, dtype=np.uint8).view("<u4").astype(np.int64)
+
+
+@pytest.mark.parametrize("group_size", [8, 6])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_kernel_layout(group_size, block_size):
+    """One 16-token tile (tokens 272 .. 287 of a request of 283 tokens: block-table column 17 of
+    a 16-token-block table, or column 1 at slot 16 of a 256-token-block table; kv head 1 of 2,
+    padded slots) through the kernel's lane mappings with the MFMA / tr16 semantics above: QK
+    pairs each stored K dim with the same dim of the permuted q under its own UE8M0 group scale
+    and masks by the token of each score; V lands row-major in LDS, the tr16 reads give lane
+    16g + i dim 16h + i of tokens 4g .. 4g+3, P (QK's result layout) meets V of the same token,
+    and each result lands at its row and dims of the partial."""
+    pytest.importorskip("flydsl", reason="needs the gfx950-build extra (flydsl)")
+    K = pytest.importorskip("jax_sparse_mla.kernels.gfx950.ultraquant")
+    r = C.rng(20 + group_size + block_size)
+    tile_start, seq_len, hk, kv_head, slot_bytes = 272, 283, 2, 1, 288
+    n_valid = seq_len - tile_start
+    max_blocks = -(-seq_len // block_size)
+    num_blocks = max_blocks + 3
+    block_tables = r.permutation(num_blocks)[:max_blocks]
+    stride_pos = hk * slot_bytes
+
+    # The cache: garbage everywhere (masked tokens included), the tile's valid tokens written
+    # where the reference reads token t: block block_tables[t // bs], slot t % bs.
+    cache = r.integers(0, 256, num_blocks * block_size * stride_pos).astype(np.uint8)
+    codes = r.integers(0, 256, (n_valid, 2, 128)).astype(np.uint8)  # K, V codes (stored order)
+    scales = r.integers(110, 145, (n_valid, 2, 8)).astype(np.uint8)
+    for i in range(n_valid):
+        pos = tile_start + i
+        slot_index = block_tables[pos // block_size] * block_size + pos % block_size
+        at = (slot_index * hk + kv_head) * slot_bytes
+        slot = np.concatenate([codes[i, 0], scales[i, 0], codes[i, 1], scales[i, 1]])
+        cache[at : at + O.UQ_SLOT_MIN] = slot
+    k_want, v_want = np.zeros((16, 256)), np.zeros((16, 256))  # masked tokens read as 0
+    k_want[:n_valid] = O.uq_dequantize(codes[:, 0], scales[:, 0])
+    v_want[:n_valid] = O.uq_dequantize(codes[:, 1], scales[:, 1])
+
+    # The tile's buffer: base = its first slot (block from the tile's block-table column),
+    # range = its valid tokens (a load past it reads 0).
+    block = block_tables[K._tile_block_column(tile_start, block_size)]
+    first_slot = block * block_size + K._tile_block_offset(tile_start, block_size)
+    base = first_slot * stride_pos + kv_head * slot_bytes
+
+    def load(offset, n):
+        at = np.asarray(offset)[:, None] + np.arange(n)
+        return np.where(at < n_valid * stride_pos, cache[base + np.minimum(at, cache.size - 1)], 0)
+
+    # q: rotated e4m3 rows 0..G-1 stored by the kernel's map (rows G..15 stay zero).
+    q8 = r.integers(0, 256, (group_size, 256)).astype(np.uint8)
+    q8[(q8 & 0x7F) == 0x7F] = 0x38  # no NaN
+    lds = np.zeros(K.LDS_BYTES, np.uint8)
+    t = np.arange(32)
+    for row in range(group_size):
+        for c in range(8):
+            lds[K._q_store_offset(row, c) + np.where(t < 16, t, t + 16)] = q8[row, 32 * c + t]
+    q_stored = np.zeros((16, 256))
+    q_stored[:group_size, UQ_STORE_POSITION] = O.e4m3_decode(q8)
+
+    # QK: two scaled MFMAs; lane l element e = token 4(l >> 4) + e, q row l & 15.
+    k_off = K._k_lane_offset(LANES, stride_pos)
+    k_scale_words = _words(load(K._k_scale_lane_offset(LANES, stride_pos), 8))
+    raw = 0
+    for h in range(2):
+        a = load(K._k_codes_offset(k_off, h), 16)
+        b = lds[K._q_operand_offset(LANES, h)[:, None] + np.arange(32)]
+        scale_a = k_scale_words[:, h] >> K._k_scale_shift(K._k_lane_group(LANES))
+        raw = raw + _mfma_fp4_fp8(a, b, scale_a, np.full(64, 0x7F))
+    want_s = _d_lanes(k_want @ q_stored.T)
+    np.testing.assert_allclose(raw, want_s, rtol=1e-12, atol=1e-12 * np.max(np.abs(want_s)))
+    token = K._score_first_token(tile_start, K._k_lane_group(LANES))[:, None] + np.arange(4)
+    d_token = tile_start + _d_lanes(np.broadcast_to(np.arange(16)[:, None], (16, 16)))
+    np.testing.assert_array_equal(token, d_token)  # the kernel masks score e by token < seq_len
+
+    # V: dequantized by lane (token l >> 2, dims 64 (l & 3) ..) into the row-major LDS tile.
+    lds_v = np.full(K.LDS_BYTES // 2, np.nan)
+    v_off = K._v_lane_offset(LANES, stride_pos)
+    v_scale = _words(load(K._v_scale_lane_offset(LANES, stride_pos), 4))[:, 0]
+    tok, chunk = K._v_lane_token_chunk(LANES)
+    for hf in range(2):
+        v_codes = load(K._v_codes_offset(v_off, hf), 16)
+        byte = (v_scale >> K._v_scale_shift(chunk, hf)) & 0xFF
+        scale = np.where(byte == 0, 0.0, np.ldexp(1.0, byte - 127))
+        for w in range(4):
+            c = v_codes[:, 4 * w : 4 * w + 4]
+            vals = O.E2M1_TABLE[np.stack([c & 15, c >> 4], axis=-1).reshape(64, 8)]
+            at = K._v_stage_offset(tok, chunk, hf, w)
+            assert np.all(at % 16 == 0) and np.all(at >= K.V_TILE)
+            lds_v[at[:, None] // 2 + np.arange(8)] = vals * scale[:, None]
+    v_rows = (K.V_TILE + np.arange(16)[:, None] * K.V_ROW_BYTES) // 2 + np.arange(256)
+    np.testing.assert_array_equal(lds_v[v_rows], v_want)
+
+    # PV: V^T operand by tr16, P = the QK result layout, results into the partial's rows.
+    p = O.round_bf16(r.uniform(0.0, 1.0, (16, 16)))  # [token, q row]
+    p_op = _d_lanes(p)
+    out = np.full(16 * 256, np.nan)
+    for h in range(16):
+        v_op = _tr16(lds_v, K._v_read_offset(LANES, h))
+        want_op = v_want[4 * (LANES >> 4)[:, None] + np.arange(4), 16 * h + (LANES & 15)[:, None]]
+        np.testing.assert_array_equal(v_op, want_op)
+        at = K._out_offset(K._out_lane_offset(LANES), h)[:, None] // 2 + np.arange(4)
+        out[at] = _mfma_bf16(v_op, p_op)
+    want_o = p.T @ v_want  # [q row, dim]
+    np.testing.assert_allclose(out.reshape(16, 256), want_o, rtol=1e-12, atol=1e-300)

@@ -246,13 +246,122 @@ def _fmax(a: fx.Float32, b: fx.Float32) -> fx.Float32:
 
 
 # ---------------------------------------------------------------------------------------------
-# Decode
+# Lane layouts: pure bit / integer arithmetic on Python ints or DSL Int32 values (the kernel
+# calls them; tests/test_emulation_ultraquant.py::test_kernel_layout evaluates them on numpy)
 # ---------------------------------------------------------------------------------------------
 
 
-def _dest_base(chunk: fx.Int32) -> fx.Int32:
+def _dest_base(chunk):
     """dest(c*32 + t) - t for t < 16: the LDS byte of a lane's first 16 rotated dims."""
     return ((chunk & 2) << 3) | ((chunk & 1) << 6) | ((chunk & 4) << 5)
+
+
+def _q_store_offset(row, chunk):
+    """LDS byte of rotated dims 32*chunk .. +15 of q row ``row`` (dims +16 .. +31 at +32)."""
+    return row * Q_ROW_BYTES + _dest_base(chunk)
+
+
+def _q_operand_offset(lane, h: int):
+    """LDS byte of lane l's B operand of QK MFMA h: q row l&15, stored dims
+    128h + 32*(l>>4) .. +31 (32 e4m3 bytes)."""
+    return (lane & 15) * Q_ROW_BYTES + (lane >> 4) * 32 + h * 128
+
+
+def _tile_block_column(tile_start, block_size: int):
+    """Block-table column of the block holding the tile that starts at token ``tile_start``."""
+    return tile_start >> int(math.log2(block_size))
+
+
+def _tile_block_offset(tile_start, block_size: int):
+    """Slot of the tile's first token in its block (a 16-token tile never straddles blocks)."""
+    return tile_start & (block_size - 1)
+
+
+def _k_lane_group(lane):
+    """MFMA lane group of lane l (l>>4): its K codes / scales are 32-groups 4h + (l>>4) of QK
+    MFMA h, and its scores are tokens 4*(l>>4) .. +3 of the tile."""
+    return lane >> 4
+
+
+def _v_lane_token_chunk(lane) -> tuple:
+    """(token, 64-dim chunk) of the V codes lane l loads and dequantizes: (l>>2, l&3)."""
+    return lane >> 2, lane & 3
+
+
+def _k_lane_offset(lane, stride_pos):
+    """Tile-relative byte of lane l's K codes for QK MFMA 0 (A operand, see _k_codes_offset):
+    token l&15 (slots are ``stride_pos`` bytes apart), code bytes 16*(l>>4) .. +15."""
+    return (lane & 15) * stride_pos + (lane >> 4) * 16
+
+
+def _k_codes_offset(k_off, h: int):
+    """Byte of the A operand of QK MFMA h: 32 FP4 codes = stored K dims 128h + 32*(l>>4) .. +31
+    of token l&15 (``k_off`` from _k_lane_offset)."""
+    return k_off + K_CODES + 64 * h
+
+
+def _k_scale_lane_offset(lane, stride_pos):
+    """Tile-relative byte of token l&15's 8 K scale bytes (2 words: groups 0-3, 4-7)."""
+    return (lane & 15) * stride_pos + K_SCALES
+
+
+def _k_scale_shift(k_group):
+    """Bit shift of the scale byte of group 4h + k_group in K scale word h (k_group = l>>4)."""
+    return k_group * 8
+
+
+def _score_first_token(tile_start, k_group):
+    """Token of score element 0 of a lane in lane group k_group (elements e: token + e)."""
+    return tile_start + k_group * 4
+
+
+def _v_lane_offset(lane, stride_pos):
+    """Tile-relative byte of lane l's V codes (half 0; see _v_codes_offset): token l>>2,
+    code bytes 32*(l&3) .. +31 = dims 64*(l&3) .. +63."""
+    return (lane >> 2) * stride_pos + (lane & 3) * 32
+
+
+def _v_codes_offset(v_off, hf: int):
+    """Byte of half hf (16 bytes: dims 64*chunk + 32hf .. +31) of a lane's V codes."""
+    return v_off + V_CODES + 16 * hf
+
+
+def _v_scale_lane_offset(lane, stride_pos):
+    """Tile-relative byte of the V scale word holding groups 2*(l&3) and 2*(l&3)+1 (token l>>2)."""
+    return (lane >> 2) * stride_pos + V_SCALES + ((lane & 3) >> 1) * 4
+
+
+def _v_scale_shift(chunk, hf: int):
+    """Bit shift of the scale byte of V group 2*chunk + hf in its scale word."""
+    return ((chunk * 2 + hf) & 3) * 8
+
+
+def _v_stage_offset(tok, chunk, hf: int, w: int):
+    """LDS byte of V dims 64*chunk + 32hf + 8w .. +7 (bf16) of tile token tok (row-major)."""
+    return V_TILE + tok * V_ROW_BYTES + (chunk * 64 + hf * 32 + w * 8) * 2
+
+
+def _v_read_offset(lane, h: int):
+    """LDS byte of lane l's ds_read_b64_tr_b16 for PV MFMA h: token l>>2, dims
+    16h + 4*(l&3) .. +3; the transpose gives lane 16g+i dim 16h+i of tokens 4g .. 4g+3."""
+    return V_TILE + (lane >> 2) * V_ROW_BYTES + (lane & 3) * 8 + h * 32
+
+
+def _out_lane_offset(lane):
+    """Byte (in the partial's G x 256 bf16 rows) of lane l's PV MFMA 0 result: q row l&15,
+    dims 4*(l>>4) .. +3 (see _out_offset)."""
+    return (lane & 15) * (2 * HEAD_DIM) + (lane >> 4) * 8
+
+
+def _out_offset(row_off, h: int):
+    """Byte of PV MFMA h's result (dims 16h + 4*(l>>4) .. +3; ``row_off`` from
+    _out_lane_offset)."""
+    return row_off + h * 32
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode
+# ---------------------------------------------------------------------------------------------
 
 
 def _hadamard_32(v: list) -> list:
@@ -304,7 +413,7 @@ def _stage_rotated_q(lds, q_rsrc, lane, group_size: int, stride_q_head) -> None:
                 vals.extend(bf16_pair(w))
         vals = [active.select(x, fx.Float32(0.0)) for x in vals]
         words = _e4m3_words(_hadamard_across_lanes(_hadamard_32(vals), chunk))
-        dst = row * Q_ROW_BYTES + _dest_base(chunk)
+        dst = _q_store_offset(row, chunk)
         _lds_store(lds, dst, _vector_i32(words[:4]), 16)
         _lds_store(lds, dst + 32, _vector_i32(words[4:]), 16)
     if group_size <= 8:
@@ -317,8 +426,9 @@ def _stage_rotated_q(lds, q_rsrc, lane, group_size: int, stride_q_head) -> None:
 def _q_operands(lds, lane) -> list:
     """The two B operands (vector<8 x i32>, 32 e4m3 each) of the QK MFMAs: q row lane&15,
     stored dims 128h + 32*(lane>>4) .. +31."""
-    base = (lane & 15) * Q_ROW_BYTES + (lane >> 4) * 32
-    return [fx.Vector(_lds_load(lds, base + h * 128, T.vec(8, T.i32), 16)) for h in range(2)]
+    return [
+        fx.Vector(_lds_load(lds, _q_operand_offset(lane, h), T.vec(8, T.i32), 16)) for h in range(2)
+    ]
 
 
 def _tile_loads(tile_start, ctx: dict) -> tuple:
@@ -327,19 +437,19 @@ def _tile_loads(tile_start, ctx: dict) -> tuple:
     0."""
     seq_len, block_size = ctx["seq_len"], ctx["block_size"]
     in_seq = tile_start < seq_len
-    column = in_seq.select(tile_start >> int(math.log2(block_size)), 0)
+    column = in_seq.select(_tile_block_column(tile_start, block_size), 0)
     block = _scalar_load(ctx["bt_rsrc"], column * 4)
     valid = in_seq & (block >= 0) & (block < ctx["num_blocks"])
     n_valid = valid.select(fx.min(seq_len - tile_start, TILE), 0)
     first_slot = fx.Int64(valid.select(block, 0)) * block_size + fx.Int64(
-        tile_start & (block_size - 1)
+        _tile_block_offset(tile_start, block_size)
     )
     base = _byte_offset(ctx["cache"], first_slot * fx.Int64(ctx["stride_pos"]) + ctx["head_off"])
     rsrc = buffer_rsrc(base, fx.Int64(n_valid * ctx["stride_pos"]))
     k_off, v_off = ctx["k_off"], ctx["v_off"]
-    k_ops = [_load(rsrc, k_off + K_CODES + 64 * h, 4) for h in range(2)]
+    k_ops = [_load(rsrc, _k_codes_offset(k_off, h), 4) for h in range(2)]
     k_scales = _words(_load(rsrc, ctx["ks_off"], 2), 2)
-    v_words = [_words(_load(rsrc, v_off + V_CODES + 16 * hf, 4), 4) for hf in range(2)]
+    v_words = [_words(_load(rsrc, _v_codes_offset(v_off, hf), 4), 4) for hf in range(2)]
     v_scale = _load(rsrc, ctx["vs_off"], 1)
     limit = valid.select(seq_len, 0)
     return k_ops, k_scales, v_words, v_scale, limit
@@ -348,7 +458,7 @@ def _tile_loads(tile_start, ctx: dict) -> tuple:
 def _qk_scores(k_ops, k_scales, q_ops, k_group) -> fx.Vector:
     """Raw scores of the tile: lane l gets tokens 4*(l>>4)+e, q row l&15 (f32x4)."""
     acc = fx.Vector.filled(4, 0.0, fx.Float32)
-    shift = k_group * 8
+    shift = _k_scale_shift(k_group)
     for h in range(2):
         scale = (k_scales[h] >> shift) & 0xFF
         acc = mfma_scaled(k_ops[h], q_ops[h], acc, scale, 0x7F, a_format=4)
@@ -365,7 +475,7 @@ def _stage_v(lds, v_words, v_scale, tok, chunk) -> None:
     """Dequantizes this lane's 64 V dims (token tok, dims 64*chunk ..) to bf16 and stores them
     to the LDS V tile (row-major, V_ROW_BYTES per token)."""
     for hf in range(2):
-        byte = (v_scale >> (((chunk * 2 + hf) & 3) * 8)) & 0xFF
+        byte = (v_scale >> _v_scale_shift(chunk, hf)) & 0xFF
         scale = as_ir(_pow2_of_byte(byte))
         for w in range(4):
             pairs = [
@@ -377,7 +487,7 @@ def _stage_v(lds, v_words, v_scale, tok, chunk) -> None:
                 )
                 for sel in range(4)
             ]
-            offset = V_TILE + tok * V_ROW_BYTES + (chunk * 64 + hf * 32 + w * 8) * 2
+            offset = _v_stage_offset(tok, chunk, hf, w)
             _lds_store(lds, offset, _vector_i32([fx.Int32(p) for p in pairs]), 16)
 
 
@@ -385,12 +495,11 @@ def _pv(lds, lane, p_op, acc_pv: list) -> list:
     """acc_pv[h] += V^T[16h .. 16h+15, tile] @ P through ds_read_b64_tr_b16 + bf16 MFMA, in
     groups of PV_GROUP chunks (each group's results pinned before the next group's reads, so
     at most PV_GROUP transposed operands are live)."""
-    base = V_TILE + (lane >> 2) * V_ROW_BYTES + (lane & 3) * 8
     out = []
     for h0 in range(0, HEAD_DIM // 16, PV_GROUP):
         group = []
         for h in range(h0, h0 + PV_GROUP):
-            ptr = _lds_ptr(lds, base + h * 32)
+            ptr = _lds_ptr(lds, _v_read_offset(lane, h))
             v_op = mlir_rocdl.ds_read_tr16_b64(T.vec(4, T.i16), ptr).result
             group.append(
                 fx.Vector(rocdl.mfma_f32_16x16x16bf16_1k(T.f32x4, [v_op, as_ir(p_op), acc_pv[h]]))
@@ -440,8 +549,8 @@ def _build_decode(group_size: int, block_size: int):
         capacity = max_blocks_per_seq * block_size
         seq_len = fx.max(fx.min(_scalar_load(sl_rsrc, seq * 4), capacity), 0)
         stride_pos = num_kv_heads * slot_bytes
-        k_token, k_group = lane & 15, lane >> 4
-        v_token, v_chunk = lane >> 2, lane & 3
+        k_group = _k_lane_group(lane)
+        v_token, v_chunk = _v_lane_token_chunk(lane)
         bt_first = fx.Int64(seq) * fx.Int64(max_blocks_per_seq) * 4
         ctx = {
             "seq_len": seq_len,
@@ -451,10 +560,10 @@ def _build_decode(group_size: int, block_size: int):
             "cache": _tensor_ptr(cache),
             "head_off": fx.Int64(kv_head * slot_bytes),
             "bt_rsrc": buffer_rsrc(_byte_offset(_tensor_ptr(block_tables), bt_first)),
-            "k_off": k_token * stride_pos + k_group * 16,
-            "ks_off": k_token * stride_pos + K_SCALES,
-            "v_off": v_token * stride_pos + v_chunk * 32,
-            "vs_off": v_token * stride_pos + V_SCALES + (v_chunk >> 1) * 4,
+            "k_off": _k_lane_offset(lane, stride_pos),
+            "ks_off": _k_scale_lane_offset(lane, stride_pos),
+            "v_off": _v_lane_offset(lane, stride_pos),
+            "vs_off": _v_scale_lane_offset(lane, stride_pos),
         }
 
         # ---- partition p: tile-groups p, p + P, ... ----
@@ -477,7 +586,7 @@ def _build_decode(group_size: int, block_size: int):
                     pending.append(_tile_loads(group_start + (n + 1) * TILE, ctx))
                 rocdl.sched_barrier(0)  # tile n's math after tile n+1's loads
                 raw = _qk_scores(k_ops, k_scales, _q_operands(lds, lane), k_group)
-                first_tok = group_start + n * TILE + k_group * 4
+                first_tok = _score_first_token(group_start + n * TILE, k_group)
                 scores = [
                     (first_tok + e < limit).select(fx.Float32(raw[e]) * sm_scale, NEG_INF)
                     for e in range(4)
@@ -515,10 +624,10 @@ def _build_decode(group_size: int, block_size: int):
             _byte_offset(_tensor_ptr(out_parts), fx.Int64(first_row) * (2 * HEAD_DIM)),
             group_size * 2 * HEAD_DIM,
         )
-        row_off = (lane & 15) * (2 * HEAD_DIM) + (lane >> 4) * 8
+        row_off = _out_lane_offset(lane)
         for h in range_constexpr(HEAD_DIM // 16):
             o = (acc_pv[h] * inv4).to(fx.BFloat16)
-            _store(o_rsrc, row_off + h * 32, o.bitcast(fx.Int32))
+            _store(o_rsrc, _out_offset(row_off, h), o.bitcast(fx.Int32))
         for tensor, value in ((max_logits, run_max), (exp_sums, run_sum)):
             rsrc = buffer_rsrc(
                 _byte_offset(_tensor_ptr(tensor), fx.Int64(first_row) * 4), group_size * 4
