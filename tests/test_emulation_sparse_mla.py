@@ -29,6 +29,10 @@ output ``out`` and ``l = 2^8 sum_k exp(S_k - max S)`` (the kernel's shifted sum)
 
 LSE: ``oracle.lse_atol + max_k dS_k + sum_k p_k e_k + 2^-20 + 2^-22 (|lse| + score_abs + 32)``
 (the log2-unit sum ``m + log2 l - 8``, XLA's log2 and the final ``ln 2``).
+
+``test_kernel_layout`` (needs flydsl) runs one 128-token tile through the kernel module's own
+lane-address helpers with the assumed MFMA / ``ds_read_b64_tr_b8`` semantics and checks that its
+data movement computes exactly the scores and PV that the record bytes define.
 """
 
 import functools
@@ -360,3 +364,155 @@ def test_vmap_and_jit():
         o1, l1 = run(c)
         np.testing.assert_allclose(O.to_f64(out[b]), o1, rtol=2.0**-7, atol=1e-6)
         np.testing.assert_allclose(O.to_f64(lse[b]), l1, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel's data layout, lane by lane (needs flydsl: the kernel module's own address helpers)
+# ---------------------------------------------------------------------------------------------
+
+LANES = np.arange(64)
+KPOS_F8 = np.array([np.r_[16 * G : 16 * G + 16, 64 + 16 * G : 80 + 16 * G] for G in range(4)])
+KPOS_16 = np.array([np.arange(8 * G, 8 * G + 8) for G in range(4)])
+
+
+def _mfma(a, b, kpos, scale_a=None, scale_b=None):
+    """16x16xK MFMA on lane data (the kernel's docstring): a, b [64 lanes, n] values of row /
+    column ``lane & 15`` at K positions ``kpos[lane >> 4]``; optional E8M0 scales [64], that of
+    K group ``K // 32`` from lane ``16 (K // 32) + i``. Returns [64, 4] f64: lane 16G + j holds
+    rows ``4G + [0, 4)`` of column j."""
+    k = kpos.max() + 1
+    mat_a, mat_b = np.zeros((16, k)), np.zeros((k, 16))
+    for grp in range(4):
+        lanes = 16 * grp + np.arange(16)
+        mat_a[:, kpos[grp]] = a[lanes]
+        mat_b[kpos[grp], :] = b[lanes].T
+    if scale_a is not None:
+        kg = np.arange(k) // 32
+        mat_a = mat_a * np.ldexp(1.0, scale_a.reshape(4, 16).T[:, kg] - 127)
+        mat_b = mat_b * np.ldexp(1.0, scale_b.reshape(4, 16)[kg, :] - 127)
+    d = mat_a @ mat_b
+    return np.stack([d[4 * (LANES >> 4) + r, LANES & 15] for r in range(4)], axis=1)
+
+
+def _tr8(lds, addrs):
+    """ds_read_b64_tr_b8: within each 16-lane row, lane t byte k = lane 2k + t // 8's byte
+    t % 8 of the 8 bytes each lane addresses."""
+    src = lds[np.asarray(addrs)[:, None] + np.arange(8)]
+    t, k = np.arange(16)[:, None], np.arange(8)[None, :]
+    return np.concatenate([src[16 * grp + 2 * k + (t >> 3), t & 7] for grp in range(4)])
+
+
+def _words(a):
+    """Little-endian u32 words of byte rows [..., 4 n]."""
+    return np.ascontiguousarray(a, np.uint8).view("<u4")
+
+
+def test_kernel_layout():
+    """One 128-token tile (H = 16) through the kernel module's own address helpers with the
+    MFMA / tr8 semantics above: the latent DMA lands every record byte in its swizzled slot,
+    QK's A / B operands, record E8M0 scales and rope compute exactly ``S = K q`` per (token,
+    head), the mask words are the S rows' tokens', and PV (tr8 V^T, P and V scale words through
+    LDS) computes exactly ``O = (P sv) V``."""
+    pytest.importorskip("flydsl", reason="the kernel module (its address helpers) needs flydsl")
+    from jax_sparse_mla.kernels.gfx950 import sparse_mla as K
+
+    heads, tb, n_rec = 16, 128, 300  # the tile starts at row position tb
+    lat0 = K.Config(num_heads=heads).lds_latent
+    r = C.rng(31)
+    codes = r.integers(0, 256, (n_rec, 512)).astype(np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x38  # no NaN
+    scales = np.ldexp(1.0, r.integers(-4, 8, (n_rec, 4))).astype("<f4")
+    rope = r.integers(-64, 64, (n_rec, 64)) / 8.0
+    recs = np.concatenate(
+        [codes, scales.view(np.uint8), O.f32_to_bf16_bits(rope).astype("<u2").view(np.uint8)], 1
+    )
+    assert recs.shape == (n_rec, K.RECORD_BYTES)
+    idx = np.full(3 * 128, -1)
+    idx[tb : tb + 128] = r.permutation(n_rec)[:128]
+    tile = idx[tb : tb + 128]  # record of tile token k
+    t, g = LANES & 15, LANES >> 4
+    byte = np.arange(16)
+
+    # latent DMA: wave w, instruction j, lane L writes 16 B at _dma_dst + 16 L
+    lds = np.zeros(K.Config(num_heads=heads).lds_bytes, np.uint8)
+    hits = np.zeros(lds.size, int)
+    for w in range(4):
+        held = [idx[K._dma_pos(tb, LANES, hh)] for hh in range(2)]
+        for j in range(16):
+            rec = held[j // 8][K._dma_src_lane(LANES, j % 8) // 4]
+            dst = (K._dma_dst(lat0, w, j) + 16 * LANES)[:, None] + byte
+            lds[dst] = recs[rec[:, None], K._dma_chunk(w, LANES, j % 4)[:, None] + byte]
+            hits[dst] += 1
+    assert np.all(hits[lat0:] == 1) and not hits[:lat0].any()
+    tok, blk, c = np.meshgrid(np.arange(128), np.arange(4), np.arange(8), indexing="ij")
+    at = lat0 + 16384 * blk + 128 * tok + 16 * (c ^ K._swizzle(tok))
+    np.testing.assert_array_equal(lds[at[..., None] + byte], codes[tile].reshape(128, 4, 8, 16))
+
+    # QK: S^T = K Q^T from the A reads, q's dim map, the records' E8M0 scales and the rope
+    q_codes = r.integers(0, 256, (heads, 512)).astype(np.uint8)
+    q_codes[(q_codes & 0x7F) == 0x7F] = 0x38
+    q_e8 = r.integers(118, 136, (heads, 4))
+    q_rope = r.integers(-64, 64, (heads, 64)) / 8.0
+    k_val = O.e4m3_decode(codes[tile]) * np.repeat(scales[tile], 128, axis=1)
+    q_val = O.e4m3_decode(q_codes) * np.repeat(np.ldexp(1.0, q_e8 - 127), 128, axis=1)
+    want_s = k_val @ q_val.T + rope[tile] @ q_rope.T  # [token, head]
+    lds32 = lds.view("<u4")
+    for w in range(4):
+        k_rd = K._k_rows(lat0, w, t, g)
+        for s in range(2):
+            rec = idx[K._qk_pos(tb, w, t, s)]
+            word = _words(recs[rec[:, None], K._scale_byte(g)[:, None] + np.arange(4)])[:, 0]
+            e8 = (word.astype(np.int64) >> 23) & 0xFF
+            acc = 0
+            for j in range(4):
+                lo, hi = K._k_slice(0, k_rd, 4 * s + j)
+                a = np.concatenate([lds[lo[:, None] + byte], lds[hi[:, None] + byte]], 1)
+                dims = np.concatenate([K._q_dim(g, j, h)[:, None] + byte for h in range(2)], 1)
+                b = q_codes[t[:, None], dims]
+                acc = acc + _mfma(O.e4m3_decode(a), O.e4m3_decode(b), KPOS_F8, e8, q_e8[t, g])
+            for i in range(2):
+                kr = recs[rec[:, None], K._rope_byte(g, i)[:, None] + byte]
+                kr = O.bf16_bits_to_f64(np.ascontiguousarray(kr).view("<u2"))
+                qr = q_rope[t[:, None], K._q_rope_dim(g, i)[:, None] - 512 + np.arange(8)]
+                acc = acc + _mfma(kr, qr, KPOS_16)
+            rows = K._qk_pos(0, w, 4 * g[:, None] + np.arange(4), s)  # S^T rows of lane (t, g)
+            np.testing.assert_allclose(acc, want_s[rows, t[:, None]], rtol=1e-12, atol=0)
+            lds32[(K._ks_write(0, w, t, g) + 64 * s) // 4] = word  # this block's scale word
+
+    # S rows -> mask words and P in LDS; PV: tr8 V^T, P' = f16(P sv)
+    p = r.integers(0, 64, (heads, 128)) / 8.0
+    for w in range(4):
+        for s in range(2):
+            rows = K._qk_pos(0, w, 4 * g[:, None] + np.arange(4), s)
+            live = lds32[(K._mask_read(0, w, g) + 64 * s)[:, None] // 4 + np.arange(4)]
+            want = recs[tile[rows][..., None], K._scale_byte(0) + np.arange(4)]
+            np.testing.assert_array_equal(live, _words(want)[..., 0])
+            p_at = (K._p_write(0, w, t, g, heads) + 16 * s)[:, None] // 4 + np.arange(4)
+            lds32[p_at] = p[t[:, None], rows].astype("<f4").view("<u4")
+    assert K._p_write(0, 3, 15, 3, heads) + 32 <= lat0
+    want_o = np.concatenate(
+        [
+            (p * scales[tile, b]) @ O.e4m3_decode(codes[tile, 128 * b : 128 * b + 128])
+            for b in range(4)
+        ],
+        axis=1,
+    )  # [head, dim]
+    for w in range(4):
+        p_rd, sv_rd = K._p_read(0, K._p_rows(g, heads), t), K._sv_read(0, w, g)
+        pp = []
+        for kk in range(4):
+            vals = []
+            for s in range(2):
+                p_at, sv_at = K._pv_at(p_rd, sv_rd, kk, s, heads)
+                pv = lds32[p_at[:, None] // 4 + np.arange(4)].view("<f4")
+                sv = lds32[sv_at[:, None] // 4 + np.arange(4)].view("<f4")
+                vals.append(pv.astype(np.float64) * sv)
+            pp.append(np.concatenate(vals, 1).astype(np.float16).astype(np.float64))
+        v_rd = K._v_rows(lat0, w, t, g)
+        for dc in range(8):
+            acc = 0
+            for kk in range(4):
+                va = O.e4m3_decode(_tr8(lds, K._v_read(0, v_rd, dc, kk)))
+                acc = acc + _mfma(va, pp[kk], KPOS_16)
+            dims = 128 * w + 16 * dc + 4 * g[:, None] + np.arange(4)
+            np.testing.assert_allclose(acc, want_o[t[:, None], dims], rtol=1e-12, atol=0)

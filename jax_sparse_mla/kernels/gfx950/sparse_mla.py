@@ -42,6 +42,13 @@ semantics: within each 16-lane row, destination lane ``t`` byte ``k`` is source 
 and their scale / rope loads read the query's own row. Index reads go through a buffer
 descriptor over ``idx[b:nnz]``, so a tail tile never reads past ``idx``.
 
+Assumed MFMA operand layouts (lane ``16 G + i`` holds row i of A and column i of B): the scaled
+fp8 16x16x128 takes bytes 0-15 at K ``16 G + [0, 16)`` and 16-31 at ``64 + 16 G + [0, 16)``,
+the E8M0 scale of K group ``K // 32`` from lane ``16 (K // 32) + i``; the bf16 / f16 16x16x32
+take elements ``8 G + [0, 8)``; result lane ``16 G + j`` holds rows ``4 G + [0, 4)`` of column
+j. Every lane address map is a module-level integer helper (``_q_dim`` .. ``_pv_at``), which
+``tests/test_emulation_sparse_mla.py::test_kernel_layout`` runs through one tile.
+
 LDS (bytes; the small regions first, so that every offset fits a DS immediate): f32 record
 scale words [wave][block][32 tokens] at 0; tile maxima, then the final l, [16 heads][4 waves] at
 2048; a 32-B sink for the P stores of heads >= H at 2304; f32 P [wave][lane group][H][8 keys] at
@@ -230,6 +237,141 @@ def _swizzle(tok):
 
 
 # ---------------------------------------------------------------------------------------------
+# Lane address maps: pure bit / integer arithmetic on Python ints (the layout test) or on the
+# kernel's values. ``at`` is the address an offset is relative to (0 in the test).
+# ---------------------------------------------------------------------------------------------
+
+
+def _q_dim(g, j, half):
+    """First latent dim of bytes ``16 half + [0, 16)`` of lane group g's q operand (B) of QK
+    step ``blk = j``: block ``2 half + g // 2``, 16-dim chunk ``2 j + (g & 1)``."""
+    return (2 * half + (g >> 1)) * 128 + (2 * j + (g & 1)) * 16
+
+
+def _q_rope_dim(g, i):
+    """First of the 8 q dims of lane group g's B operand of rope MFMA i (bf16 16x16x32)."""
+    return 512 + 32 * i + 8 * g
+
+
+def _rope_byte(g, i):
+    """Record byte of the 8 rope values of lane group g's A operand of rope MFMA i."""
+    return ROPE_OFF + 64 * i + 16 * g
+
+
+def _scale_byte(g):
+    """Record byte of lane group g's scale word: the f32 scale of latent block g."""
+    return SCALE_OFF + 4 * g
+
+
+def _qk_pos(at, w, t, s):
+    """Tile position (from ``at``) of lane row t's QK key in sub-tile s of wave w."""
+    return at + w * 32 + 16 * s + t
+
+
+def _dma_pos(at, lane, hh):
+    """Tile position (from ``at``) of the DMA key that lane holds in half hh (``ds_bpermute``
+    source of DMA instructions ``8 hh + [0, 8)``)."""
+    return at + 64 * hh + lane
+
+
+def _dma_src_lane(lane, j):
+    """``ds_bpermute`` byte address of the lane holding the key of DMA instruction ``j (mod 8)``
+    of this lane: lane ``8 j + lane // 8``, i.e. token ``8 j + lane // 8`` of the half."""
+    return (lane >> 3) * 4 + 32 * j
+
+
+def _dma_chunk(w, lane, j):
+    """Record byte offset this lane copies in DMA instruction ``j (mod 4)`` of wave w: latent
+    block w, chunk ``(lane & 7) ^ f(token)`` (the swizzle of token ``8 j + lane // 8``)."""
+    return w * 128 + ((lane & 7) ^ (4 * (j & 1) + (lane >> 4)) ^ (2 * ((j >> 1) & 1))) * 16
+
+
+def _dma_dst(at, w, j):
+    """LDS address (``at`` = the latent tile) of DMA instruction j of wave w; the hardware
+    writes lane L's 16 B at ``+ 16 L`` (tokens ``8 j + [0, 8)`` of column block w)."""
+    return at + w * 16384 + j * 1024
+
+
+def _k_rows(at, w, t, g) -> list:
+    """[blk] LDS offsets (``at`` = latent tile offset) of lane (t, g)'s first 16 B of QK
+    sub-tile 0's A operand for q step blk: token ``32 w + t``, column block ``g // 2``,
+    chunk ``(g & 1) + 2 blk`` (swizzled); the second 16 B sit 2 column blocks on."""
+    tok = w * 32 + t
+    return [
+        at + (g >> 1) * 16384 + tok * 128 + (((g & 1) + 2 * blk) ^ _swizzle(tok)) * 16
+        for blk in range(4)
+    ]
+
+
+def _k_slice(at, k_rd, j) -> tuple:
+    """Addresses of the two 16-B halves of QK step ``j = 4 s + blk``'s A operand. Sub-tile
+    s = 1 (tokens + 16) flips bit 1 of the swizzle: it reads ``k_rd[blk ^ 1] + 2048``."""
+    ka = at + k_rd[(j % 4) ^ (j // 4)] + 2048 * (j // 4)
+    return ka, ka + 32768
+
+
+def _v_rows(at, w, t, g) -> list:
+    """[dc] LDS offsets (``at`` = latent tile offset) of lane (t, g)'s ``ds_read_b64_tr_b8``
+    of dim chunk dc (dims ``128 w + 16 dc + [0, 16)``) for PV operand kk = 0: bytes
+    ``8 (t & 1) + [0, 8)`` of token ``32 (g >> 1) + 16 (i >> 2) + 8 (g & 1) + (i & 3)``,
+    ``i = t >> 1``."""
+    i_v = t >> 1
+    tok = (g >> 1) * 32 + (i_v >> 2) * 16 + (g & 1) * 8 + (i_v & 3)
+    return [
+        at + w * 16384 + tok * 128 + ((dc ^ _swizzle(tok)) * 16) + (t & 1) * 8 for dc in range(8)
+    ]
+
+
+def _v_read(at, v_rd, dc, kk):
+    """tr8 address of dim chunk dc for PV operand ``kk = 2 hf + sub`` (tokens + 4 sub + 64 hf):
+    sub flips bit 1 of the swizzle (``v_rd[dc ^ 2] + 512``)."""
+    hf, sub = kk // 2, kk % 2
+    return at + v_rd[dc ^ (2 * sub)] + (512 * sub + 8192 * hf)
+
+
+def _ks_write(at, w, t, g):
+    """Scale word store of lane (t, g) of wave w, sub-tile 0 (+ 64 for s = 1): f32
+    ``[wave][block g][32 tokens]``, token ``t`` (+ 16 s) of the wave's 32."""
+    return at + LDS_SCALES + ((w * 4 + g) * 32 + t) * 4
+
+
+def _mask_read(at, w, g):
+    """Scale words (block 0) of lane group g's S rows in wave w: keys ``16 s + 4 g + [0, 4)`` at
+    ``+ 64 s``; 0 marks a masked key."""
+    return at + LDS_SCALES + (w * 4 * 32 + 4 * g) * 4
+
+
+def _sv_read(at, w, g):
+    """V scale words (block w) of PV operand 0's keys ``8 (g & 1) + [0, 4)`` of wave ``g // 2``'s
+    32 tokens; see ``_pv_at`` for the other operands and keys."""
+    return at + LDS_SCALES + (((g >> 1) * 4 + w) * 32 + 8 * (g & 1)) * 4
+
+
+def _p_write(at, w, t, g, heads):
+    """P store of head t, lane group g of wave w: f32 ``[wave][group][heads][8 tokens]``, the
+    tokens ``32 w + 16 s + 4 g + [0, 4)`` at ``+ 16 s``."""
+    return at + LDS_P + ((w * 4 + g) * heads + t) * 32
+
+
+def _p_rows(g, heads):
+    """First P row (8 f32 of one head) of lane group g's PV operand 0: the keys of (wave
+    ``g // 2``, group ``2 (g & 1)``), head 0; see ``_pv_at``."""
+    return ((g >> 1) * 4 + 2 * (g & 1)) * heads
+
+
+def _p_read(at, rows, h):
+    """P read of head h for PV operand 0 (``rows = _p_rows(g, heads)``)."""
+    return at + LDS_P + (rows + h) * 32
+
+
+def _pv_at(p_rd, sv_rd, kk, s, heads) -> tuple:
+    """P and V scale words 4 s + [0, 4) of PV operand ``kk = 2 hf + sub``: the keys of wave
+    ``2 hf + g // 2``, group ``2 (g & 1) + sub``, sub-tile s."""
+    hf, sub = kk // 2, kk % 2
+    return p_rd + ((8 * hf + sub) * heads * 32 + 16 * s), sv_rd + (1024 * hf + 16 * sub + 64 * s)
+
+
+# ---------------------------------------------------------------------------------------------
 # Kernel
 # ---------------------------------------------------------------------------------------------
 
@@ -315,8 +457,8 @@ def build_launcher(config: Config):
         q_lane = q_base + (fx.Int64(qi) * fx.Int64(q_row_stride) + fx.Int64(h * q_head_stride)) * 2
         qa, qb = [], []
         for j in range_constexpr(4):
-            for blk, dst in ((0, qa), (2, qb)):
-                d0 = (blk + (g >> 1)) * 128 + (2 * j + (g & 1)) * 16
+            for half, dst in ((0, qa), (1, qb)):
+                d0 = _q_dim(g, j, half)
                 for k in range_constexpr(2):
                     v = load_global(q_lane + fx.Int64(d0 + 8 * k) * 2, 4)
                     vf = v.bitcast(fx.BFloat16).to(fx.Float32)
@@ -348,46 +490,30 @@ def build_launcher(config: Config):
             q_lo.append(Vec.from_elements(la + lb, fx.Int32))
         qs_hi, _ = _e8m0_scale(mine)
         qs_lo = qs_hi - 5
-        q_rope = [load_global(q_lane + (512 + 32 * i + 8 * g) * 2, 4) for i in range(2)]
+        q_rope = [load_global(q_lane + _q_rope_dim(g, i) * 2, 4) for i in range(2)]
 
         # ---- per-lane LDS addresses. Sub-tile s = 1 (keys + 16) and PV half sub = 1 (keys + 4)
         # flip bit 1 of the chunk swizzle, so they reuse the s = 0 / sub = 0 addresses of a
         # chunk index ^ 2 plus an immediate offset.
-        tok_k = w * 32 + t  # QK key row of sub-tile 0
-        k_rd = [
-            lds_latent
-            + (g >> 1) * 16384
-            + tok_k * 128
-            + (((g & 1) + 2 * blk) ^ _swizzle(tok_k)) * 16
-            for blk in range(4)
-        ]  # [blk]; sub-tile s reads k_rd[blk ^ s] + 2048 s
-        i_v = t >> 1
-        tok_v = (g >> 1) * 32 + (i_v >> 2) * 16 + (g & 1) * 8 + (i_v & 3)  # tr8 row, sub = 0
-        v_rd = [
-            lds_latent + w * 16384 + tok_v * 128 + ((dc ^ _swizzle(tok_v)) * 16) + (t & 1) * 8
-            for dc in range(8)
-        ]  # [dc]; (sub, hf) reads v_rd[dc ^ 2 sub] + 512 sub + 8192 hf
-        dma_src_lane = [(lane >> 3) * 4 + 32 * j for j in range(8)]  # lane 8j + lane // 8
-        dma_chunk = [
-            w * 128 + ((lane & 7) ^ (4 * (j & 1) + (lane >> 4)) ^ (2 * ((j >> 1) & 1))) * 16
-            for j in range(4)
-        ]
-        ks_wr = base + LDS_SCALES + ((w * 4 + g) * 32 + t) * 4
-        mask_rd = base + LDS_SCALES + (w * 4 * 32 + 4 * g) * 4
+        k_rd = _k_rows(lds_latent, w, t, g)
+        v_rd = _v_rows(lds_latent, w, t, g)
+        dma_src_lane = [_dma_src_lane(lane, j) for j in range(8)]
+        dma_chunk = [_dma_chunk(w, lane, j) for j in range(4)]
+        ks_wr = _ks_write(base, w, t, g)
+        mask_rd = _mask_read(base, w, g)
         mx_wr = base + LDS_MAX + (t * 4 + w) * 4
         mx_rd = base + LDS_MAX + t * 16
-        p_wr = h_ok.select(base + LDS_P + ((w * 4 + g) * H + t) * 32, base + LDS_SINK)
-        # PV operand kk = 2 hf + sub holds the keys of (wave 2 hf + g // 2, group 2 (g & 1) + sub)
-        p_rd = base + LDS_P + (((g >> 1) * 4 + 2 * (g & 1)) * H + h_ok.select(t, H - 1)) * 32
-        sv_rd = base + LDS_SCALES + (((g >> 1) * 4 + w) * 32 + 8 * (g & 1)) * 4
+        p_wr = h_ok.select(_p_write(base, w, t, g, H), base + LDS_SINK)
+        p_rd = _p_read(base, _p_rows(g, H), h_ok.select(t, H - 1))
+        sv_rd = _sv_read(base, w, g)
 
         def qk_pos(tb) -> list:
             """Row positions of this lane's QK key rows (sub-tiles s = 0, 1) in tile tb."""
-            return [tb + w * 32 + 16 * s + t for s in range(2)]
+            return [_qk_pos(tb, w, t, s) for s in range(2)]
 
         def dma_pos(tb) -> list:
             """Row positions whose keys this lane holds for the DMA (lane, 64 + lane)."""
-            return [tb + 64 * hh + lane for hh in range(2)]
+            return [_dma_pos(tb, lane, hh) for hh in range(2)]
 
         def load_raw(pos) -> list:
             """The idx entries at row positions pos (unchecked; see keys)."""
@@ -405,9 +531,9 @@ def build_launcher(config: Config):
             for s in range_constexpr(2):
                 ix = recs[s]
                 row = (ix >= 0).select(kv_base + fx.Int64(ix) * RECORD_BYTES, q_lane)
-                out.append(load_global(row + fx.Int64(SCALE_OFF + 4 * g), 1))
+                out.append(load_global(row + fx.Int64(_scale_byte(g)), 1))
                 for i in range_constexpr(2):
-                    out.append(load_global(row + fx.Int64(ROPE_OFF + 64 * i + 16 * g), 4))
+                    out.append(load_global(row + fx.Int64(_rope_byte(g, i)), 4))
             return out
 
         def dma(recs) -> None:
@@ -419,13 +545,13 @@ def build_launcher(config: Config):
                 ix = tok_keys[j]
                 if ix >= 0:
                     src = kv_base + fx.Int64(ix) * RECORD_BYTES + fx.Int64(dma_chunk[j % 4])
-                    dst = base + lds_latent + w * 16384 + j * 1024
+                    dst = _dma_dst(base + lds_latent, w, j)
                     rocdl.global_load_lds(global_ptr(src), lds_ptr(uniform(dst)), 16, 0)
 
         # Zero this wave's column block: a masked key's slot keeps finite bytes.
         zero4 = Vec.filled(4, 0, fx.Int32)
         for j in range_constexpr(16):
-            store_lds(base + lds_latent + w * 16384 + j * 1024 + lane * 16, zero4, 16)
+            store_lds(_dma_dst(base + lds_latent, w, j) + lane * 16, zero4, 16)
         rocdl.s_waitcnt(lgkmcnt=0)
 
         # Prologue: tile 0 latent (DMA) and side words; raw entries of tile 1. The loop keeps
@@ -461,8 +587,8 @@ def build_launcher(config: Config):
             # ---- QK: A = 16 key rows from LDS, B = Q^T -> S^T; lane (head t, g): keys 4g + r
             def k_slice(j) -> Vec:
                 """A operand of QK step j = 4 s + blk: 32 B of the lane's key row."""
-                ka = base + k_rd[(j % 4) ^ (j // 4)] + 2048 * (j // 4)
-                return cat(load_lds(ka, 4), load_lds(ka + 32768, 4))
+                lo, hi = _k_slice(base, k_rd, j)
+                return cat(load_lds(lo, 4), load_lds(hi, 4))
 
             sacc = [Vec.filled(4, 0.0, fx.Float32) for _ in range(2)]
             e8 = [(i32(side[3 * s][0]) >> 23) & 0xFF for s in range(2)]
@@ -521,11 +647,11 @@ def build_launcher(config: Config):
             # ---- PV for dims [128w, 128w + 128): O^T += V^T P'^T, P' = f16(P * scale_w)
             pp = []
             for kk in range_constexpr(4):
-                hf, sub = kk // 2, kk % 2
                 vals = []
                 for s in range_constexpr(2):
-                    pv = load_lds(p_rd + ((8 * hf + sub) * H * 32 + 16 * s), 4, T.f32)
-                    sv = load_lds(sv_rd + (1024 * hf + 16 * sub + 64 * s), 4)
+                    p_at, sv_at = _pv_at(p_rd, sv_rd, kk, s, H)
+                    pv = load_lds(p_at, 4, T.f32)
+                    sv = load_lds(sv_at, 4)
                     vals += [f32(pv[r]) * i32(sv[r]).bitcast(fx.Float32) for r in range(4)]
                 pp.append(Vec.from_elements(vals, fx.Float32).to(fx.Float16))
 
@@ -535,8 +661,7 @@ def build_launcher(config: Config):
                 for dc in range_constexpr(d0, d0 + 4):
                     parts = []
                     for kk in range_constexpr(4):
-                        hf, sub = kk // 2, kk % 2
-                        addr = base + v_rd[dc ^ (2 * sub)] + (512 * sub + 8192 * hf)
+                        addr = _v_read(base, v_rd, dc, kk)
                         tr = rocdl.ds_read_tr8_b64(T.vec(2, T.i32), lds_ptr(addr))
                         parts.append(Vec(tr.result))
                     res.append(parts)

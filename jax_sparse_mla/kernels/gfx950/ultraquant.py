@@ -21,6 +21,12 @@ keys of partition p and writes one partial.
    32-group 4h + (l>>4); B = the e4m3 q; scale_a = the group's UE8M0 byte, scale_b = 0x7F = 1),
    f32 accumulation: raw = sum_i fp4_i * 2^(e_g - 127) * q8_i. Score s = f32(raw * sm_scale);
    -inf for a token >= seq_len or in a block-table entry outside [0, num_blocks).
+   Operand layout assumed (seed 002's): lane group g = l>>4 holds the 32 CONTIGUOUS K values
+   32g .. 32g+31 of both the FP4 A and the e4m3 B operand, with one scale per lane group. The
+   fp8 x fp8 kernels (sparse_mla, mla_decode) assume, after seed 000, that an 8-bit operand's
+   bytes 0-15 sit at K 16g.. and 16-31 at K 64+16g... Both can hold only if the hardware lays an
+   operand out by its own format and the mixed FP4 x E4M3 case follows the FP4 one; this is
+   unverified here and is the first thing an MI355 test must pin (one MFMA, known operands).
 3. Online softmax per 16-token tile and query row, natural-log units, f32:
    M' = max(M, max_t s_t); alpha = exp2((M - M') * log2e) (1 while M = -inf);
    p_t = exp2((s_t - M') * log2e) (0 while M' = -inf); tile sum ((p0+p1)+p2)+p3 per 4-token
