@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_sparse_mla.emulation._rounding import rounded
+from jax_sparse_mla.emulation._arith import rounded
 
 
 @pytest.mark.parametrize(

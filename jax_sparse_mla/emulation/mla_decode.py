@@ -60,7 +60,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_sparse_mla.emulation._rounding import narrow, rounded
+from jax_sparse_mla.emulation._arith import LO_FACTOR, exp2, fp8_hi_lo, narrow
 from jax_sparse_mla.formats import LATENT_DIM, pow2
 
 BLOCK = 128  # keys per block (the kernel's KV block)
@@ -70,20 +70,6 @@ M_FLOOR = -1.0e20  # exp2(NEG_BIG - M_FLOOR) = 0 while every key so far is maske
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 Q_SCALE_MIN = 6  # smallest hi E8M0 exponent byte (the lo one, s - 5, stays >= 1)
-LO_SHIFT = 32.0  # lo = e4m3(residual * 32): the largest power of two keeping |lo| <= 448
-
-
-def _e4m3(x: jax.Array) -> jax.Array:
-    """float32 -> nearest e4m3fn value (RNE) as float32; inputs are within +-448."""
-    return rounded(x, jnp.float8_e4m3fn)
-
-
-def exp2(x: jax.Array) -> jax.Array:
-    """``2**x`` for float32 x: the integer part exact from exponent bits, 0 below 2^-126."""
-    whole = jnp.floor(x)
-    n = jnp.clip(whole, -127.0, 128.0).astype(jnp.int32)
-    y = jnp.exp2(x - whole) * pow2(jnp.maximum(n, -126))
-    return jnp.where(whole < -126.0, 0.0, y)
 
 
 def q_split(q: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -102,15 +88,14 @@ def q_split(q: jax.Array) -> tuple[jax.Array, jax.Array]:
     # the float product); below 2^-119 both hi and lo are 0 anyway.
     sub = (bits & 0x7F).astype(jnp.float32) * jnp.where(s <= 120, pow2(jnp.minimum(-6 - s, 0)), 0.0)
     x = jnp.where((bits & 0x7F80) == 0, jnp.where(bits & 0x8000, -sub, sub), x)
-    hi = _e4m3(x)
-    lo = _e4m3((x - hi) * LO_SHIFT)
-    return hi + lo / LO_SHIFT, pow2(s[..., 0] - 127)
+    hi, lo = fp8_hi_lo(x)
+    return hi + lo / LO_FACTOR, pow2(s[..., 0] - 127)
 
 
 def p_split(p: jax.Array) -> jax.Array:
     """The kernel's fp8 hi + lo split of P (``0 <= P <= 2^8``): ``hi + lo / 32`` in float32."""
-    hi = _e4m3(p)
-    return hi + _e4m3((p - hi) * LO_SHIFT) / LO_SHIFT
+    hi, lo = fp8_hi_lo(p)
+    return hi + lo / LO_FACTOR
 
 
 def split_bounds(kv_indptr: jax.Array, num_splits: int):

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sparse_mla.emulation._rounding import rounded
+from jax_sparse_mla.emulation._arith import fp8_hi_lo, rounded
 from jax_sparse_mla.formats import (
     LATENT_DIM,
     NUM_SCALES,
@@ -68,11 +68,6 @@ LN2 = np.float32(np.log(2.0))
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _e4m3(x: jax.Array) -> jax.Array:
-    """f32 -> the value of its e4m3fn code (RNE); every caller has |x| <= 256."""
-    return rounded(x, jnp.float8_e4m3fn)
-
-
 def split_q(q_latent: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The kernel's per-(head, 128-block) fp8 hi/lo split of the latent part of q.
 
@@ -92,8 +87,7 @@ def split_q(q_latent: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     k = jnp.maximum(exponent, 1) - 7 - s_hi[..., None]
     x = jnp.where(k >= -126, mant * pow2(jnp.maximum(k, -126)), 0.0)
     x = jnp.where((bits & 0x8000) != 0, -x, x)
-    hi = _e4m3(x)
-    lo = _e4m3((x - hi) * np.float32(2**LO_SHIFT))
+    hi, lo = fp8_hi_lo(x)
     return hi, lo, s_hi
 
 

@@ -54,8 +54,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sparse_mla.emulation._rounding import narrow, rounded
-from jax_sparse_mla.formats import UQ_HEAD_DIM, UQ_STORED_SOURCE, _unpack_slots, pow2
+from jax_sparse_mla.emulation._arith import e4m3, exp2, narrow, rounded
+from jax_sparse_mla.formats import UQ_HEAD_DIM, UQ_STORED_SOURCE, _unpack_slots
 from jax_sparse_mla.reference.attention import ceil_div
 
 TILE = 16  # tokens per online-softmax step (one MFMA tile)
@@ -64,14 +64,6 @@ N_TILES = TILE_GROUP // TILE
 FP8_MAX = 448.0
 LOG2E = np.float32(math.log2(math.e))  # the kernel's f32 constant
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def exp2(x: jax.Array) -> jax.Array:
-    """``2**x`` for float32 ``x < 128``: exact at integers (exponent bits), 0 below 2^-126."""
-    whole = jnp.floor(x)
-    n = jnp.clip(whole, -127.0, 127.0).astype(jnp.int32)
-    y = jnp.exp2(x - whole) * pow2(jnp.maximum(n, -126))
-    return jnp.where(whole < -126.0, 0.0, y)
 
 
 def rotate_query(q: jax.Array) -> jax.Array:
@@ -92,7 +84,7 @@ def rotate_query(q: jax.Array) -> jax.Array:
         x = jnp.stack([a + b, a - b], axis=-2)
         stride *= 2
     x = x.reshape(*lead, UQ_HEAD_DIM) * jnp.float32(1.0 / 16.0)
-    q8 = rounded(jnp.clip(x, -FP8_MAX, FP8_MAX), jnp.float8_e4m3fn)
+    q8 = e4m3(jnp.clip(x, -FP8_MAX, FP8_MAX))
     return q8[..., UQ_STORED_SOURCE]
 
 
