@@ -25,9 +25,9 @@ from jax_sparse_mla.emulation.mla_decode import (
 )
 from jax_sparse_mla.formats import KV_DIM
 from jax_sparse_mla.kernels.pallas._common import hopper_or
+from jax_sparse_mla.kernels.pallas.merge import merge_partials_pallas
 from jax_sparse_mla.kernels.pallas.mla_decode import (
     merge_attn_states_pallas,
-    merge_kernel,
     mla_decode_kernel,
     mla_decode_pallas,
     mla_decode_partials_kernel,
@@ -90,7 +90,9 @@ _PALLAS = DecodeImplementation(
 )
 
 
-_COMPILED = DecodeImplementation(mla_decode_partials_kernel, merge_kernel, mla_decode_kernel)
+_COMPILED = DecodeImplementation(
+    mla_decode_partials_kernel, merge_partials_pallas, mla_decode_kernel
+)
 
 
 def _auto(field: str):

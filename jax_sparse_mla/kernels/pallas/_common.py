@@ -10,6 +10,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jax_sparse_mla._dispatch import by_platform
+
 # Programs to aim for when splitting work: two resident programs on each of the H200's 132 SMs.
 TARGET_PROGRAMS = 264
 
@@ -18,19 +20,14 @@ def on_cuda_or_interpret(kernel_fn: Callable) -> Callable:
     """``kernel_fn(*arrays, **options, interpret=...)`` compiled (Triton) when lowered for CUDA
     and run in Pallas interpret mode elsewhere.
 
-    The choice is made per lowering platform (``jax.lax.platform_dependent``, which lowers only
-    the branch of the platform being lowered for). ``options`` may hold traced scalars.
+    The choice is made per lowering platform (``_dispatch.by_platform``: a lowering holds only
+    its own platform's branch). ``options`` may hold traced scalars.
     """
-
-    @functools.wraps(kernel_fn)
-    def run(*args, **options):
-        return jax.lax.platform_dependent(
-            *args,
-            cuda=functools.partial(kernel_fn, **options, interpret=False),
-            default=functools.partial(kernel_fn, **options, interpret=True),
-        )
-
-    return run
+    run = by_platform(
+        default=functools.partial(kernel_fn, interpret=True),
+        cuda=functools.partial(kernel_fn, interpret=False),
+    )
+    return functools.wraps(kernel_fn)(run)
 
 
 def call(

@@ -68,11 +68,6 @@ def mla_decode_kernel(q, kv, kv_indices, kv_indptr, *, qlen, k_scale, v_scale, s
     return o, lse[:, : qlen * h].reshape(rows, h)
 
 
-def merge_kernel(o_parts, lse_parts, *, interpret=False):
-    """``merge_attn_states`` on the GPU: o in o_parts' dtype, lse f32."""
-    return merge_partials_pallas(o_parts, lse_parts, interpret=interpret)
-
-
 mla_decode_partials_pallas = on_cuda_or_interpret(mla_decode_partials_kernel)
 mla_decode_pallas = on_cuda_or_interpret(mla_decode_kernel)
-merge_attn_states_pallas = on_cuda_or_interpret(merge_kernel)
+merge_attn_states_pallas = on_cuda_or_interpret(merge_partials_pallas)
