@@ -55,6 +55,7 @@ from jax_sparse_mla.formats import (
     SCALES_OFFSET,
     pow2,
 )
+from jax_sparse_mla.reference.sparse_mla import no_keys
 
 TILE = 128  # keys per tile, as in the kernel
 P_SHIFT = 8.0  # P = exp2(s - m + 8) <= 2^8
@@ -113,8 +114,7 @@ def sparse_mla_gfx950_emulation(
     records = kv.reshape(-1, RECORD_BYTES)
     rows, nnz = records.shape[0], idx.shape[0]
     if rows == 0 or nnz == 0 or n_q == 0:
-        out = jnp.zeros((n_q, h, LATENT_DIM), jnp.bfloat16)
-        return out, jnp.full((n_q, h), -jnp.inf, jnp.float32)
+        return no_keys(n_q, h)
 
     q_hi, q_lo, s_hi = split_q(q[..., :LATENT_DIM])  # [n_q, H, 4, 128], [n_q, H, 4]
     q_hi_scale = pow2(s_hi - 127)

@@ -23,6 +23,11 @@ def tile_size(n_rows: int) -> int:
     return t
 
 
+def no_keys(n_q: int, h: int) -> tuple[jax.Array, jax.Array]:
+    """The answer when no row can have a key: out 0 [n_q, H, 512] bf16, lse -inf [n_q, H] f32."""
+    return jnp.zeros((n_q, h, LATENT_DIM), jnp.bfloat16), jnp.full((n_q, h), -jnp.inf, jnp.float32)
+
+
 def sparse_mla_xla(
     q: jax.Array, kv: jax.Array, idx: jax.Array, indptr: jax.Array, sm_scale: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
@@ -41,8 +46,7 @@ def sparse_mla_xla(
     records = kv.reshape(-1, RECORD_BYTES)
     rows, nnz = records.shape[0], idx.shape[0]
     if rows == 0 or nnz == 0 or n_q == 0:
-        out = jnp.zeros((n_q, h, LATENT_DIM), jnp.bfloat16)
-        return out, jnp.full((n_q, h), -jnp.inf, jnp.float32)
+        return no_keys(n_q, h)
 
     tile = tile_size(n_q)
     start = indptr[:-1]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_sparse_mla.formats import LATENT_DIM, RECORD_BYTES
+from jax_sparse_mla.formats import RECORD_BYTES
 from jax_sparse_mla.kernels.pallas._common import choose_splits, on_cuda_or_interpret
 from jax_sparse_mla.kernels.pallas.merge import merge_partials_pallas
 from jax_sparse_mla.kernels.pallas.mla_attention import BLOCK_K, block_m_for, mla_partials
+from jax_sparse_mla.reference.sparse_mla import no_keys
 
 MIN_SPLIT_KEYS = 128  # an internal split keeps at least this many keys of an average row
 
@@ -29,7 +30,7 @@ def sparse_mla_kernel(q, kv, idx, indptr, sm_scale, *, interpret: bool = False):
     records = kv.reshape(-1, RECORD_BYTES)
     nnz = idx.shape[0]
     if n_q == 0 or h == 0 or nnz == 0 or records.shape[0] == 0:
-        return jnp.zeros((n_q, h, LATENT_DIM), jnp.bfloat16), jnp.full((n_q, h), -jnp.inf)
+        return no_keys(n_q, h)
     m_blocks = -(-h // block_m_for(h))
     splits = choose_splits(n_q * m_blocks, nnz / n_q, MIN_SPLIT_KEYS)
     scales = jnp.stack([jnp.float32(sm_scale), jnp.float32(1.0)])
