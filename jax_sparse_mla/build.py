@@ -110,15 +110,20 @@ class Job:
     key: str
 
 
-def source_key(arch: str, module: str, config) -> str:
-    """Changes when the kernel source, the FlyDSL version or the configuration changes."""
+def sources_digest(arch: str) -> str:
+    """Digest of the kernel sources of ``arch`` and the FlyDSL version (read once per build)."""
     import flydsl
 
     h = hashlib.sha256()
     for path in sorted((_PACKAGE_DIR / "kernels" / arch).glob("*.py")):
         h.update(path.read_bytes())
-    h.update(f"{flydsl.__version__}|{arch}|{module}|{config!r}".encode())
-    return h.hexdigest()[:16]
+    h.update(f"{flydsl.__version__}|{arch}".encode())
+    return h.hexdigest()
+
+
+def source_key(sources: str, module: str, config) -> str:
+    """Changes when the kernel sources, the FlyDSL version or the configuration changes."""
+    return hashlib.sha256(f"{sources}|{module}|{config!r}".encode()).hexdigest()[:16]
 
 
 def build(arch: str, out: Path, jobs: int, force: bool = False) -> dict:
@@ -131,10 +136,11 @@ def build(arch: str, out: Path, jobs: int, force: bool = False) -> dict:
     if manifest_path.exists() and not force:
         old = {e["symbol"]: e for e in json.loads(manifest_path.read_text())["kernels"]}
 
+    sources = sources_digest(arch)
     all_jobs, stale = [], []
     for module in KERNEL_MODULES:
         for i, config in enumerate(kernel_module(arch, module).CONFIGS):
-            job = Job(module, i, config, source_key(arch, module, config))
+            job = Job(module, i, config, source_key(sources, module, config))
             all_jobs.append(job)
             prev = old.get(config.symbol)
             if not (prev and prev["key"] == job.key and (objects / f"{config.symbol}.o").exists()):
@@ -148,7 +154,7 @@ def build(arch: str, out: Path, jobs: int, force: bool = False) -> dict:
             print(f"FAILED {symbol}:\n{log}", file=sys.stderr)
         raise SystemExit(f"{len(failures)} configuration(s) failed to compile")
 
-    entries = [_manifest_entry(arch, job, objects, old) for job in all_jobs]
+    entries = [_manifest_entry(job, objects, old) for job in all_jobs]
     manifest = {"arch": arch, "kernels": entries}
     manifest_path.write_text(json.dumps(manifest, indent=1))
     size = sum(f.stat().st_size for f in objects.iterdir())
@@ -197,16 +203,16 @@ def _worker(arch: str, chunk: list[Job], objects: Path, env) -> tuple[int, str]:
     return proc.returncode, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
-def _manifest_entry(arch: str, job: Job, objects: Path, old: dict) -> dict:
+def _manifest_entry(job: Job, objects: Path, old: dict) -> dict:
     symbol = job.config.symbol
-    obj = objects / f"{symbol}.o"
+    obj = (objects / f"{symbol}.o").read_bytes()
     timing = objects / f"{symbol}.json"
     seconds = (
         json.loads(timing.read_text())["seconds"]
         if timing.exists()
         else old.get(symbol, {}).get("compile_seconds")
     )
-    resources = read_kernel_resources(obj.read_bytes())
+    resources = read_kernel_resources(obj)
     return {
         "symbol": symbol,
         "module": job.module,
@@ -215,7 +221,7 @@ def _manifest_entry(arch: str, job: Job, objects: Path, old: dict) -> dict:
         "key": job.key,
         "object": f"objects/{symbol}.o",
         "header": f"objects/{symbol}.h",
-        "abi": _export_metadata(obj.read_bytes(), symbol),
+        "abi": _export_metadata(obj, symbol),
         "resources": [dataclasses.asdict(r) for r in resources],
         "compile_seconds": seconds,
     }
