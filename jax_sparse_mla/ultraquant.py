@@ -26,18 +26,17 @@ from jax_sparse_mla.reference.ultraquant import ultraquant_decode_xla
 DEFAULT_SM_SCALE = 1.0 / 16.0
 
 
-def _xla(*args, num_partitions, **kw):
-    return ultraquant_decode_xla(*args, num_partitions=num_partitions or 1, **kw)
-
-
 # implementation name -> fn(q, cache, block_tables, seq_lens, *, sm_scale, num_partitions) -> bf16
 # (num_partitions None: the implementation's choice); None is the choice of
 # implementation=None: the Pallas kernel on Hopper GPUs, "xla" everywhere else.
 _IMPLEMENTATIONS = {
-    "xla": _xla,
+    "xla": ultraquant_decode_xla,
     "gfx950_emulation": ultraquant_decode_gfx950_emulation,
     "pallas": ultraquant_decode_pallas,
-    None: by_platform(default=_xla, cuda=hopper_or(ultraquant_decode_kernel, _xla)),
+    None: by_platform(
+        default=ultraquant_decode_xla,
+        cuda=hopper_or(ultraquant_decode_kernel, ultraquant_decode_xla),
+    ),
 }
 
 

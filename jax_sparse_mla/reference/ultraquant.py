@@ -68,11 +68,12 @@ def ultraquant_decode_xla(
     seq_lens: jax.Array,
     *,
     sm_scale: jax.Array,
-    num_partitions: int,
+    num_partitions: int | None,
 ) -> jax.Array:
-    """Exact UltraQuant decode: the float32 partials merged in float32; [B, Hq, 256] bf16."""
+    """Exact UltraQuant decode: the float32 partials (``num_partitions`` None: 1) merged in
+    float32; [B, Hq, 256] bf16."""
     o_parts, lse_parts = ultraquant_decode_partials_f32(
-        q, cache, block_tables, seq_lens, sm_scale=sm_scale, num_partitions=num_partitions
+        q, cache, block_tables, seq_lens, sm_scale=sm_scale, num_partitions=num_partitions or 1
     )
     out, _ = merge_partials(o_parts, lse_parts)
     return out.astype(jnp.bfloat16)
