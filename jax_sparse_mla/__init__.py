@@ -10,6 +10,7 @@ available, ``"xla"`` is the exact jax-native implementation that runs everywhere
 Record writers and readers live in ``jax_sparse_mla.formats`` and are re-exported here.
 """
 
+from jax_sparse_mla.ffi import rocm_library
 from jax_sparse_mla.formats import (
     concat_and_cache_ds_mla,
     concat_and_cache_mla,
@@ -32,6 +33,8 @@ from jax_sparse_mla.sparse_mla import (
 from jax_sparse_mla.ultraquant import ultraquant_decode, validate_ultraquant_decode
 
 __version__ = "0.1.0"
+
+rocm_library()  # registers the gfx950 kernels' custom call targets for platform "ROCM"
 
 __all__ = [
     "concat_and_cache_ds_mla",

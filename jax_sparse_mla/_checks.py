@@ -82,11 +82,12 @@ def check_positive_int(op: str, name: str, value, *, allow_none: bool = False) -
 
 
 def check_scalar(op: str, name: str, value) -> jax.Array:
-    """Accepts a Python number or a 0-d float array (traced or not); returns float32."""
+    """Accepts a Python number or a 0-d float array (traced or not); returns float32 (a numpy
+    scalar for a number, so that it stays static under ``jax.jit``)."""
     if isinstance(value, bool):
         raise TypeError(f"{op}: {name} must be a real scalar, got {value!r}")
     if isinstance(value, (int, float, np.integer, np.floating)):
-        return jnp.float32(value)
+        return np.float32(value)
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         if value.shape != () or not jnp.issubdtype(value.dtype, jnp.floating):
             raise TypeError(

@@ -14,11 +14,6 @@ import jax
 
 IMPLEMENTATIONS = ("xla", "gfx950_emulation", "pallas", "flydsl")
 
-# Implementations that are part of the API but not built yet, and what is missing.
-_MISSING = {
-    "flydsl": "the XLA FFI custom call that runs the FlyDSL gfx950 kernel is not written yet",
-}
-
 F = TypeVar("F")
 
 
@@ -38,9 +33,8 @@ def resolve_implementation(op: str, implementation: str | None, table: Mapping[s
             f"{op}: implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}"
         )
     if name not in table:
-        why = _MISSING.get(name, f"{op} has no {name!r} implementation")
         raise NotImplementedError(
-            f"{op}: implementation={name!r} is unavailable: {why}. "
+            f"{op}: implementation={name!r} is unavailable: {op} has no {name!r} implementation. "
             "Use implementation='xla' (or None)."
         )
     return table[name]

@@ -1,6 +1,6 @@
 """Ahead-of-time build of the FlyDSL kernels, and their resource report.
 
-    python -m jax_sparse_mla.build --arch gfx950 [--out build/gfx950] [--jobs N] [--report]
+    python -m jax_sparse_mla.build --arch gfx950 [--out build/gfx950] [--jobs N] [--report] [--link]
 
 Compiles every configuration (``CONFIGS``) of every kernel module in
 ``jax_sparse_mla/kernels/<arch>/`` on a machine without any AMD GPU, exports each with FlyDSL's
@@ -16,7 +16,9 @@ Each module is compiled in its own subprocess (an LLVM selection error aborts th
 hits it); when one dies, its configurations are retried one per process to name the culprit.
 ``--report`` prints VGPR / AGPR / SGPR / LDS / scratch / spills and the occupancy they allow for
 every kernel, and exits non-zero when a kernel spills, uses scratch, exceeds 160 KiB of LDS or
-misses its design occupancy. Needs the ``gfx950-build`` extra (flydsl, a CPU torch, ziglang).
+misses its design occupancy. ``--link`` then relinks the installed FFI library
+(``jax_sparse_mla/ffi/_jsm_ffi*.so``) with the objects. Needs the ``gfx950-build`` extra
+(flydsl, a CPU torch, ziglang).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import argparse
 import dataclasses
 import hashlib
 import importlib
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -290,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="recompile everything")
     parser.add_argument("--report", action="store_true", help="print and check resources")
     parser.add_argument(
+        "--link", action="store_true", help="relink the installed FFI library with the kernels"
+    )
+    parser.add_argument(
         "--worker", nargs=3, metavar=("MODULE", "INDICES", "DIR"), help=argparse.SUPPRESS
     )
     args = parser.parse_args(argv)
@@ -299,7 +305,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = args.out or Path("build") / args.arch
     manifest = build(args.arch, out, args.jobs, args.force)
+    if args.link:
+        link_ffi_library(out)
     return 1 if args.report and report(manifest) else 0
+
+
+def link_ffi_library(kernel_dir: Path) -> Path:
+    """Relinks the FFI library this package loads (built by ``pip install`` when missing) with
+    ``kernel_dir``'s objects; a running process keeps the copy it loaded."""
+    from jax_sparse_mla import ffi
+    from jax_sparse_mla.ffi import build_lib
+
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    path = ffi.library_path() or Path(ffi.__file__).parent / f"{ffi.LIBRARY_NAME}{suffix}"
+    build_lib.build_library(path, kernel_dir)
+    print(f"linked {path} with {len(build_lib.kernel_objects(kernel_dir))} kernels")
+    return path
 
 
 if __name__ == "__main__":

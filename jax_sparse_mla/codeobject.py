@@ -85,6 +85,16 @@ def read_kernel_resources(object_bytes: bytes) -> list[KernelResources]:
     return found
 
 
+def read_kernel_arg_sizes(object_bytes: bytes) -> dict[str, list[int]]:
+    """Per kernel, the byte size of each explicit kernel argument (the ``kernelParams`` a
+    ``hipModuleLaunchKernel`` passes), in order; the hidden arguments are left out."""
+    return {
+        k[".name"]: [a[".size"] for a in k[".args"] if not a[".value_kind"].startswith("hidden")]
+        for elf in _embedded_amdgpu_elfs(object_bytes)
+        for k in _amdgpu_metadata(elf).get("amdhsa.kernels", [])
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 # ELF64 little-endian
 # ---------------------------------------------------------------------------------------------

@@ -23,6 +23,14 @@ from jax_sparse_mla.emulation.mla_decode import (
     merge_attn_states_gfx950_emulation,
     mla_decode_partials_gfx950_emulation,
 )
+from jax_sparse_mla.ffi.calls import (
+    gfx950_or,
+    merge_attn_states_flydsl,
+    merge_unsupported,
+    mla_decode_flydsl,
+    mla_decode_partials_flydsl,
+    mla_decode_unsupported,
+)
 from jax_sparse_mla.formats import KV_DIM
 from jax_sparse_mla.kernels.pallas._common import hopper_or
 from jax_sparse_mla.kernels.pallas.merge import merge_partials_pallas
@@ -93,18 +101,30 @@ _PALLAS = DecodeImplementation(
 _COMPILED = DecodeImplementation(
     mla_decode_partials_kernel, merge_partials_pallas, mla_decode_kernel
 )
+_FLYDSL = DecodeImplementation(
+    mla_decode_partials_flydsl, merge_attn_states_flydsl, mla_decode_flydsl
+)
+_FLYDSL_UNSUPPORTED = DecodeImplementation(
+    mla_decode_unsupported, merge_unsupported, mla_decode_unsupported
+)
 
 
 def _auto(field: str):
-    """implementation=None: the compiled Pallas kernel on Hopper GPUs, "xla" everywhere else."""
+    """implementation=None: the FlyDSL kernels on gfx950 (ROCm), the compiled Pallas kernel on
+    Hopper GPUs, "xla" everywhere else."""
     xla = getattr(_XLA, field)
-    return by_platform(default=xla, cuda=hopper_or(getattr(_COMPILED, field), xla))
+    return by_platform(
+        default=xla,
+        cuda=hopper_or(getattr(_COMPILED, field), xla),
+        rocm=gfx950_or(getattr(_FLYDSL, field), xla, getattr(_FLYDSL_UNSUPPORTED, field)),
+    )
 
 
 _IMPLEMENTATIONS = {
     "xla": _XLA,
     "gfx950_emulation": _GFX950_EMULATION,
     "pallas": _PALLAS,
+    "flydsl": _FLYDSL,
     None: DecodeImplementation(*(_auto(f) for f in DecodeImplementation._fields)),
 }
 _KV_DTYPES = (jnp.float8_e4m3fn, jnp.uint8)

@@ -15,6 +15,7 @@ from jax_sparse_mla._checks import (
 )
 from jax_sparse_mla._dispatch import by_platform, resolve_implementation
 from jax_sparse_mla.emulation.sparse_mla import sparse_mla_gfx950_emulation
+from jax_sparse_mla.ffi.calls import gfx950_or, sparse_mla_flydsl, sparse_mla_unsupported
 from jax_sparse_mla.formats import KV_DIM, MAX_KERNEL_SCALE, RECORD_BYTES, SCALES_OFFSET
 from jax_sparse_mla.kernels.pallas._common import hopper_or
 from jax_sparse_mla.kernels.pallas.sparse_mla import sparse_mla_kernel, sparse_mla_pallas
@@ -22,13 +23,32 @@ from jax_sparse_mla.reference.sparse_mla import sparse_mla_xla
 
 DEFAULT_SM_SCALE = KV_DIM**-0.5
 
-# implementation name -> fn(q, kv, idx, indptr, sm_scale) -> (out bf16, lse f32); None is the
-# choice of implementation=None: the Pallas kernel on Hopper GPUs, "xla" everywhere else.
+
+def _lse_if(fn):
+    """``fn`` (returning out and lse) as ``fn(..., *, return_lse) -> (out, lse or None)``."""
+
+    def run(q, kv, idx, indptr, sm_scale, *, return_lse: bool):
+        out, lse = fn(q, kv, idx, indptr, sm_scale)
+        return out, (lse if return_lse else None)
+
+    return run
+
+
+_XLA = _lse_if(sparse_mla_xla)
+
+# implementation name -> fn(q, kv, idx, indptr, sm_scale, *, return_lse) -> (out bf16, lse f32 or
+# None); None is the choice of implementation=None: the FlyDSL kernel on gfx950 (ROCm), the
+# Pallas kernel on Hopper GPUs, "xla" everywhere else.
 _IMPLEMENTATIONS = {
-    "xla": sparse_mla_xla,
-    "gfx950_emulation": sparse_mla_gfx950_emulation,
-    "pallas": sparse_mla_pallas,
-    None: by_platform(default=sparse_mla_xla, cuda=hopper_or(sparse_mla_kernel, sparse_mla_xla)),
+    "xla": _XLA,
+    "gfx950_emulation": _lse_if(sparse_mla_gfx950_emulation),
+    "pallas": _lse_if(sparse_mla_pallas),
+    "flydsl": sparse_mla_flydsl,
+    None: by_platform(
+        default=_XLA,
+        cuda=hopper_or(_lse_if(sparse_mla_kernel), _XLA),
+        rocm=gfx950_or(sparse_mla_flydsl, _XLA, sparse_mla_unsupported),
+    ),
 }
 
 
@@ -57,9 +77,11 @@ def sparse_mla(
       indptr: [n_q + 1] int32 CSR row pointers.
       sm_scale: softmax scale (float or 0-d array); default 576 ** -0.5.
       return_lse: also return the natural-log LSE of the scaled scores.
-      implementation: None (the Pallas kernel on Hopper GPUs, "xla" elsewhere), "xla" (exact,
-        every platform), "pallas" (compiled on CUDA, Pallas interpret mode elsewhere), "flydsl",
-        "gfx950_emulation" (the gfx950 kernel's own arithmetic in jnp, every platform).
+      implementation: None (the FlyDSL kernel on gfx950 ROCm GPUs, the Pallas kernel on Hopper
+        GPUs, "xla" elsewhere), "xla" (exact, every platform), "pallas" (compiled on CUDA, Pallas
+        interpret mode elsewhere), "flydsl" (the gfx950 kernel, an XLA FFI custom call on ROCm;
+        needs a static sm_scale), "gfx950_emulation" (the gfx950 kernel's own arithmetic in jnp,
+        every platform).
       validate: check the data-dependent preconditions (see ``validate_sparse_mla``); raises
         ValueError (eagerly on concrete inputs, at run time under ``jax.jit``).
     Returns:
@@ -71,7 +93,7 @@ def sparse_mla(
     scale = check_scalar(op, "sm_scale", DEFAULT_SM_SCALE if sm_scale is None else sm_scale)
     if validate:
         run_data_check(_check_data, kv, idx, indptr)
-    out, lse = impl(q, kv, idx, indptr, scale)
+    out, lse = impl(q, kv, idx, indptr, sm_scale=scale, return_lse=return_lse)
     return (out, lse) if return_lse else out
 
 

@@ -15,6 +15,7 @@ from jax_sparse_mla._checks import (
 )
 from jax_sparse_mla._dispatch import by_platform, resolve_implementation
 from jax_sparse_mla.emulation.ultraquant import ultraquant_decode_gfx950_emulation
+from jax_sparse_mla.ffi.calls import gfx950_or, ultraquant_decode_flydsl, ultraquant_unsupported
 from jax_sparse_mla.formats import UQ_HEAD_DIM, check_ultraquant_cache
 from jax_sparse_mla.kernels.pallas._common import hopper_or
 from jax_sparse_mla.kernels.pallas.ultraquant import (
@@ -28,14 +29,17 @@ DEFAULT_SM_SCALE = 1.0 / 16.0
 
 # implementation name -> fn(q, cache, block_tables, seq_lens, *, sm_scale, num_partitions) -> bf16
 # (num_partitions None: the implementation's choice); None is the choice of
-# implementation=None: the Pallas kernel on Hopper GPUs, "xla" everywhere else.
+# implementation=None: the FlyDSL kernels on gfx950 (ROCm), the Pallas kernel on Hopper GPUs,
+# "xla" everywhere else.
 _IMPLEMENTATIONS = {
     "xla": ultraquant_decode_xla,
     "gfx950_emulation": ultraquant_decode_gfx950_emulation,
     "pallas": ultraquant_decode_pallas,
+    "flydsl": ultraquant_decode_flydsl,
     None: by_platform(
         default=ultraquant_decode_xla,
         cuda=hopper_or(ultraquant_decode_kernel, ultraquant_decode_xla),
+        rocm=gfx950_or(ultraquant_decode_flydsl, ultraquant_decode_xla, ultraquant_unsupported),
     ),
 }
 

@@ -1,0 +1,100 @@
+"""The XLA FFI library that runs the gfx950 FlyDSL kernels on ROCm.
+
+The library (``_jsm_ffi*.so`` next to this file, built by ``pip install`` from ``csrc/`` and the
+kernel objects of ``python -m jax_sparse_mla.build --arch gfx950``; see BUILD.md) holds one
+handler per custom call target. Importing ``jax_sparse_mla`` registers them for platform
+"ROCM"; the library loads on any Linux machine (HIP is opened at first launch).
+``JAX_SPARSE_MLA_FFI_LIBRARY`` points the loader at another copy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.machinery
+import os
+import warnings
+from pathlib import Path
+
+import jax
+
+# custom call target -> handler symbol in the library.
+TARGETS = {
+    "jsm_sparse_mla": "JsmSparseMla",
+    "jsm_mla_decode_partials": "JsmMlaDecodePartials",
+    "jsm_mla_decode_combine": "JsmMlaDecodeCombine",
+    "jsm_ultraquant_partials": "JsmUltraquantPartials",
+    "jsm_ultraquant_reduce": "JsmUltraquantReduce",
+}
+LIBRARY_NAME = "_jsm_ffi"
+_HERE = Path(__file__).resolve().parent
+
+
+def library_path() -> Path | None:
+    """``$JAX_SPARSE_MLA_FFI_LIBRARY``, else the library installed in this package, else None."""
+    if env := os.environ.get("JAX_SPARSE_MLA_FFI_LIBRARY"):
+        return Path(env)
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        if (path := _HERE / f"{LIBRARY_NAME}{suffix}").exists():
+            return path
+    return None
+
+
+def register_targets(library: ctypes.CDLL, platform: str) -> None:
+    """Registers every handler of ``library`` as its custom call target for ``platform``."""
+    for target, symbol in TARGETS.items():
+        capsule = jax.ffi.pycapsule(getattr(library, symbol))
+        jax.ffi.register_ffi_target(target, capsule, platform=platform)
+
+
+@functools.cache
+def rocm_library() -> ctypes.CDLL | None:
+    """The FFI library, loaded and registered for "ROCM" once; None when it is not built."""
+    path = library_path()
+    if path is None:
+        return None
+    library = ctypes.CDLL(str(path))
+    register_targets(library, "ROCM")
+    return library
+
+
+def _rocm_devices() -> list:
+    try:
+        return jax.devices("rocm")
+    except RuntimeError:  # no ROCm backend in this process (e.g. lowering for ROCm from a CPU host)
+        return []
+
+
+def is_gfx950(device) -> bool:
+    """Whether a jax ROCm device is an MI350-series (gfx950) GPU."""
+    names = f"{getattr(device, 'compute_capability', '')} {device.device_kind}".lower()
+    return "gfx950" in names or "mi35" in names
+
+
+@functools.cache
+def flydsl_available() -> bool:
+    """Whether ``implementation=None`` may pick the FlyDSL kernels for a ROCm lowering.
+
+    With no ROCm device in this process (lowering for ROCm from another host) the target is
+    assumed to be an MI355. With ROCm devices, all of them must be gfx950 and the FFI library
+    must be built; otherwise a one-time warning says why the jax-native implementation runs.
+    """
+    devices = _rocm_devices()
+    if not devices:
+        return True
+    other = sorted({d.device_kind for d in devices if not is_gfx950(d)})
+    if other:
+        warnings.warn(
+            f"jax_sparse_mla: the FlyDSL kernels need gfx950 (MI355) GPUs; this process has "
+            f"{', '.join(other)}: implementation=None runs the jax-native 'xla' implementation",
+            stacklevel=3,
+        )
+        return False
+    if rocm_library() is None:
+        warnings.warn(
+            "jax_sparse_mla: the FFI library is not built (reinstall with a C++ compiler, see "
+            "BUILD.md): implementation=None runs the jax-native 'xla' implementation on ROCm",
+            stacklevel=3,
+        )
+        return False
+    return True

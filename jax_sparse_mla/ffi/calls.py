@@ -1,0 +1,244 @@
+"""``implementation="flydsl"``: the custom calls of the gfx950 kernels, one function per op.
+
+Each function emits ``jax.ffi.ffi_call`` to a target of ``jax_sparse_mla.ffi.TARGETS``. The
+handlers (``csrc/handlers.cc``) check the buffers again and pick the compiled configuration.
+Scalars the kernels take as launch arguments (sm_scale, k_scale, v_scale) must be static: a
+traced scale is unsupported (``implementation=None`` then runs "xla").
+
+Each ``*_unsupported(...)`` returns why the kernels cannot serve a call (or None); the function
+itself raises NotImplementedError with that reason. Under ``jax.vmap`` a call runs once per
+batch element (``vmap_method="sequential"``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_sparse_mla.ffi import flydsl_available
+from jax_sparse_mla.formats import LATENT_DIM, RECORD_BYTES, UQ_HEAD_DIM
+
+KERNEL_QLENS = (1, 2, 4)
+KERNEL_GROUP_SIZES = (6, 8, 16)
+KERNEL_BLOCK_SIZES = (16, 32, 64, 128, 256)
+# MI355: 256 CUs. mla_decode runs one 8-wave CTA per CU; ultraquant 12 one-wave groups per CU.
+_NUM_CUS = 256
+_UQ_WORKGROUPS_PER_CU = 12
+
+
+def _call(target: str, results, *args, **attrs):
+    return jax.ffi.ffi_call(target, results, vmap_method="sequential")(*args, **attrs)
+
+
+def _static(x) -> float | None:
+    """The value of a scale as a Python float, or None when it is traced."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    return float(np.asarray(x))
+
+
+def _nonstatic(names_values) -> str | None:
+    traced = [n for n, v in names_values if _static(v) is None]
+    if traced:
+        return f"{', '.join(traced)} must be static (a Python float), not traced"
+    return None
+
+
+def _require(why: str | None, op: str) -> None:
+    if why is not None:
+        raise NotImplementedError(f"{op}: implementation='flydsl' cannot run this call: {why}")
+
+
+def gfx950_or(kernel_fn: Callable, fallback: Callable, unsupported: Callable) -> Callable:
+    """The ROCm branch of ``implementation=None``: ``kernel_fn`` when the target is gfx950 and
+    ``unsupported(*args, **options)`` is None, else ``fallback``; decided at trace time."""
+
+    def run(*args, **options):
+        if flydsl_available() and unsupported(*args, **options) is None:
+            return kernel_fn(*args, **options)
+        return fallback(*args, **options)
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
+# sparse_mla
+# ---------------------------------------------------------------------------------------------
+
+
+def sparse_mla_unsupported(q, kv, idx, indptr, sm_scale, *, return_lse=False) -> str | None:
+    return _nonstatic([("sm_scale", sm_scale)])
+
+
+def sparse_mla_flydsl(q, kv, idx, indptr, sm_scale, *, return_lse: bool):
+    """q [n_q, H, 576] bf16, kv [..., 656] u8, idx [nnz] / indptr [n_q + 1] int32 ->
+    (out [n_q, H, 512] bf16, lse [n_q, H] f32 or None). Any H (groups of <= 16 heads)."""
+    _require(sparse_mla_unsupported(q, kv, idx, indptr, sm_scale), "sparse_mla")
+    n_q, heads, _ = q.shape
+    results = [jax.ShapeDtypeStruct((n_q, heads, LATENT_DIM), jnp.bfloat16)]
+    if return_lse:
+        results.append(jax.ShapeDtypeStruct((n_q, heads), jnp.float32))
+    records = kv.reshape(-1, RECORD_BYTES)
+    res = _call(
+        "jsm_sparse_mla", results, q, records, idx, indptr, sm_scale=np.float32(_static(sm_scale))
+    )
+    return res[0], (res[1] if return_lse else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# mla_decode
+# ---------------------------------------------------------------------------------------------
+
+
+def mla_decode_unsupported(q, kv, kv_indices, kv_indptr, *, qlen, k_scale, v_scale, sm_scale, **_):
+    if qlen not in KERNEL_QLENS:
+        return f"qlen must be one of {KERNEL_QLENS}, got {qlen}"
+    return _nonstatic([("k_scale", k_scale), ("v_scale", v_scale), ("sm_scale", sm_scale)])
+
+
+def default_num_splits(q, kv_indices, kv_indptr, qlen: int) -> int:
+    """Splits that fill the MI355's CUs: one CTA per (16 query rows, split, request), at most
+    one split per 128 keys of the mean request."""
+    batch = kv_indptr.shape[0] - 1
+    groups = math.ceil(q.shape[1] * qlen / 16)
+    blocks = math.ceil(kv_indices.shape[0] / max(batch, 1) / 128)
+    return max(1, min(16, math.ceil(_NUM_CUS / max(batch * groups, 1)), blocks))
+
+
+def mla_decode_partials_flydsl(
+    q, kv, kv_indices, kv_indptr, *, qlen, k_scale, v_scale, sm_scale, num_splits
+):
+    """kv: [tokens, 576] uint8 e4m3fn codes -> (o_parts [B*qlen, S, H, 512] bf16,
+    lse_parts [B*qlen, S, H] f32)."""
+    _require(
+        mla_decode_unsupported(
+            q,
+            kv,
+            kv_indices,
+            kv_indptr,
+            qlen=qlen,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            sm_scale=sm_scale,
+        ),
+        "mla_decode",
+    )
+    rows, heads, _ = q.shape
+    results = [
+        jax.ShapeDtypeStruct((rows, num_splits, heads, LATENT_DIM), jnp.bfloat16),
+        jax.ShapeDtypeStruct((rows, num_splits, heads), jnp.float32),
+    ]
+    scales = {k: np.float32(_static(v)) for k, v in (("k_scale", k_scale), ("v_scale", v_scale))}
+    return tuple(
+        _call(
+            "jsm_mla_decode_partials",
+            results,
+            q,
+            kv,
+            kv_indices,
+            kv_indptr,
+            qlen=np.int32(qlen),
+            sm_scale=np.float32(_static(sm_scale)),
+            **scales,
+        )
+    )
+
+
+def merge_unsupported(o_parts, lse_parts) -> str | None:
+    if o_parts.dtype != jnp.bfloat16 or o_parts.shape[-1] != LATENT_DIM:
+        return (
+            f"the combine kernel takes bf16 [n, S, H, 512] partials, got {o_parts.dtype.name} "
+            f"{list(o_parts.shape)}"
+        )
+    return None
+
+
+def merge_attn_states_flydsl(o_parts, lse_parts):
+    """o_parts [n, S, H, 512] bf16, lse_parts [n, S, H] f32 -> (out [n, H, 512] bf16, lse)."""
+    _require(merge_unsupported(o_parts, lse_parts), "merge_attn_states")
+    n, _, heads, dim = o_parts.shape
+    results = [
+        jax.ShapeDtypeStruct((n, heads, dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((n, heads), jnp.float32),
+    ]
+    return tuple(_call("jsm_mla_decode_combine", results, o_parts, lse_parts))
+
+
+def mla_decode_flydsl(q, kv, kv_indices, kv_indptr, *, qlen, num_splits, **scales):
+    """Partials (num_splits None: ``default_num_splits``) then the combine kernel."""
+    splits = num_splits or default_num_splits(q, kv_indices, kv_indptr, qlen)
+    parts = mla_decode_partials_flydsl(
+        q, kv, kv_indices, kv_indptr, qlen=qlen, num_splits=splits, **scales
+    )
+    return merge_attn_states_flydsl(*parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# ultraquant_decode
+# ---------------------------------------------------------------------------------------------
+
+
+def kernel_group_size(g: int) -> int | None:
+    """The compiled G that serves ``g`` query heads per KV head (zero rows padded), or None."""
+    return next((k for k in KERNEL_GROUP_SIZES if k >= g), None)
+
+
+def ultraquant_unsupported(q, cache, block_tables, seq_lens, *, sm_scale, **_) -> str | None:
+    g = q.shape[1] // cache.shape[2]
+    if kernel_group_size(g) is None:
+        return f"query heads per KV head must be <= {KERNEL_GROUP_SIZES[-1]}, got {g}"
+    if cache.shape[1] not in KERNEL_BLOCK_SIZES:
+        return f"block_size must be one of {KERNEL_BLOCK_SIZES}, got {cache.shape[1]}"
+    return _nonstatic([("sm_scale", sm_scale)])
+
+
+def default_num_partitions(batch: int, kv_heads: int, max_tokens: int) -> int:
+    """Partitions that fill the MI355 (12 one-wave groups per CU), at most one per 128 tokens."""
+    fill = math.ceil(_NUM_CUS * _UQ_WORKGROUPS_PER_CU / max(batch * kv_heads, 1))
+    return max(1, min(fill, math.ceil(max_tokens / 128)))
+
+
+def ultraquant_decode_flydsl(q, cache, block_tables, seq_lens, *, sm_scale, num_partitions):
+    """q [B, Hq, 256] bf16 -> [B, Hq, 256] bf16: the decode kernel's per-partition partials,
+    then the reduce kernel. G not compiled (e.g. 3) runs as the next compiled G with zero
+    query rows that are dropped."""
+    _require(
+        ultraquant_unsupported(q, cache, block_tables, seq_lens, sm_scale=sm_scale),
+        "ultraquant_decode",
+    )
+    batch, hq, _ = q.shape
+    hk = cache.shape[2]
+    g = hq // hk
+    kg = kernel_group_size(g)
+    if kg != g:
+        q = jnp.pad(q.reshape(batch, hk, g, UQ_HEAD_DIM), ((0, 0), (0, 0), (0, kg - g), (0, 0)))
+        q = q.reshape(batch, hk * kg, UQ_HEAD_DIM)
+    parts = num_partitions or default_num_partitions(
+        batch, hk, block_tables.shape[1] * cache.shape[1]
+    )
+    shape = (batch, hk, parts, kg)
+    partials = _call(
+        "jsm_ultraquant_partials",
+        [
+            jax.ShapeDtypeStruct((*shape, UQ_HEAD_DIM), jnp.bfloat16),
+            jax.ShapeDtypeStruct(shape, jnp.float32),
+            jax.ShapeDtypeStruct(shape, jnp.float32),
+        ],
+        q,
+        cache,
+        block_tables,
+        seq_lens,
+        sm_scale=np.float32(_static(sm_scale)),
+    )
+    out = _call(
+        "jsm_ultraquant_reduce",
+        [jax.ShapeDtypeStruct((batch, hk * kg, UQ_HEAD_DIM), jnp.bfloat16)],
+        *partials,
+    )[0]
+    if kg != g:
+        out = out.reshape(batch, hk, kg, UQ_HEAD_DIM)[:, :, :g].reshape(batch, hq, UQ_HEAD_DIM)
+    return out

@@ -1,0 +1,402 @@
+// XLA FFI handlers of the gfx950 kernels: check the buffers XLA passes, pack FlyDSL's launch
+// arguments and launch on XLA's stream. One handler per custom call target:
+//   jsm_sparse_mla, jsm_mla_decode_partials, jsm_mla_decode_combine,
+//   jsm_ultraquant_partials, jsm_ultraquant_reduce.
+// The argument orders and preconditions are those of jax_sparse_mla/kernels/gfx950/*.py.
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "jsm_ffi.h"
+
+namespace ffi = xla::ffi;
+using ffi::AnyBuffer;
+using ffi::DataType;
+using ffi::Error;
+
+namespace jsm {
+namespace {
+
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+constexpr int64_t kKvDim = 576;         // K = latent (512) ‖ rope (64)
+constexpr int64_t kLatentDim = 512;     // V
+constexpr int64_t kRecordBytes = 656;   // one fp8_ds_mla record
+constexpr int64_t kSparseMaxHeads = 16; // heads per sparse_mla launch
+constexpr int64_t kUqHeadDim = 256;
+
+#ifdef JSM_RECORDING
+// The recording build runs on XLA CPU, which has no stream or device: fixed stand-ins.
+struct HostStream {};
+struct HostDevice {};
+constexpr uintptr_t kRecordingStream = 0x5157;
+}  // namespace
+}  // namespace jsm
+namespace xla::ffi {
+template <>
+struct CtxDecoding<jsm::HostStream> {
+  using Type = void*;
+  static std::optional<Type> Decode(const XLA_FFI_Api*, XLA_FFI_ExecutionContext*,
+                                    DiagnosticEngine&) {
+    return reinterpret_cast<void*>(jsm::kRecordingStream);
+  }
+};
+template <>
+struct CtxDecoding<jsm::HostDevice> {
+  using Type = int32_t;
+  static std::optional<Type> Decode(const XLA_FFI_Api*, XLA_FFI_ExecutionContext*,
+                                    DiagnosticEngine&) {
+    return 0;
+  }
+};
+}  // namespace xla::ffi
+namespace jsm {
+namespace {
+using StreamCtx = HostStream;
+using DeviceCtx = HostDevice;
+#else
+using StreamCtx = ffi::PlatformStream<void*>;
+using DeviceCtx = ffi::DeviceOrdinal;
+#endif
+
+// ------------------------------------------------------------------------------------------
+// Checking buffers: every failure names the target, the argument and what was expected.
+// ------------------------------------------------------------------------------------------
+
+const char* TypeName(DataType t) {
+  switch (t) {
+    case DataType::U8: return "u8";
+    case DataType::S32: return "s32";
+    case DataType::BF16: return "bf16";
+    case DataType::F32: return "f32";
+    case DataType::F16: return "f16";
+    case DataType::S8: return "s8";
+    case DataType::S64: return "s64";
+    case DataType::F64: return "f64";
+    case DataType::F8E4M3FN: return "f8e4m3fn";
+    default: return "another type";
+  }
+}
+
+std::string Describe(const AnyBuffer& b) {
+  std::string s = std::string(TypeName(b.element_type())) + "[";
+  auto dims = b.dimensions();
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+// `dims`: the expected dimensions, -1 for any; `what`: how to say them, e.g. "[n_q, H, 576]".
+Error Expect(const char* target, const char* name, const AnyBuffer& b, DataType dtype,
+             std::vector<int64_t> dims, const std::string& what) {
+  bool ok = b.element_type() == dtype && b.dimensions().size() == dims.size();
+  for (size_t i = 0; ok && i < dims.size(); ++i) {
+    ok = dims[i] < 0 || b.dimensions()[i] == dims[i];
+  }
+  if (ok) return Error::Success();
+  return Error::InvalidArgument(std::string(target) + ": " + name + " must be " +
+                                TypeName(dtype) + what + ", got " + Describe(b));
+}
+
+Error Limit(const char* target, const std::string& what, int64_t value, int64_t max) {
+  if (value <= max) return Error::Success();
+  return Error::InvalidArgument(std::string(target) + ": " + what + " = " +
+                                std::to_string(value) + " exceeds the kernel's limit " +
+                                std::to_string(max));
+}
+
+std::string Shape(std::initializer_list<std::string> parts) {
+  std::string s = "[";
+  for (const auto& p : parts) s += (s.size() > 1 ? ", " : "") + p;
+  return s + "]";
+}
+
+#define JSM_CHECK(expr)                       \
+  do {                                        \
+    if (Error e = (expr); e.failure()) return e; \
+  } while (0)
+
+const char* Ptr(const AnyBuffer& b, int64_t byte_offset = 0) {
+  return static_cast<const char*>(b.untyped_data()) + byte_offset;
+}
+
+// ------------------------------------------------------------------------------------------
+// sparse_mla: one launch per group of <= 16 heads (q, out, lse offset by the group's first head).
+// ------------------------------------------------------------------------------------------
+
+Error SparseMla(void* stream, int32_t device, AnyBuffer q, AnyBuffer kv, AnyBuffer idx,
+                AnyBuffer indptr, ffi::Result<AnyBuffer> out, ffi::RemainingRets rest,
+                float sm_scale) {
+  constexpr const char* T = "jsm_sparse_mla";
+  JSM_CHECK(Expect(T, "q", q, DataType::BF16, {-1, -1, kKvDim}, "[n_q, H, 576]"));
+  const int64_t n_q = q.dimensions()[0], heads = q.dimensions()[1];
+  const auto nq = std::to_string(n_q), h = std::to_string(heads);
+  JSM_CHECK(Expect(T, "kv", kv, DataType::U8, {-1, kRecordBytes}, "[rows, 656]"));
+  JSM_CHECK(Expect(T, "idx", idx, DataType::S32, {-1}, "[nnz]"));
+  JSM_CHECK(Expect(T, "indptr", indptr, DataType::S32, {n_q + 1}, Shape({nq + " + 1"})));
+  JSM_CHECK(Expect(T, "out", *out, DataType::BF16, {n_q, heads, kLatentDim}, Shape({nq, h, "512"})));
+  if (rest.size() > 1) {
+    return Error::InvalidArgument(std::string(T) + ": expects 1 or 2 results (out[, lse]), got " +
+                                  std::to_string(1 + rest.size()));
+  }
+  const bool with_lse = rest.size() == 1;
+  const void* lse = nullptr;
+  if (with_lse) {
+    auto r = rest.get<AnyBuffer>(0);
+    if (!r.has_value()) return r.error();
+    JSM_CHECK(Expect(T, "lse", **r, DataType::F32, {n_q, heads}, Shape({nq, h})));
+    lse = (*r)->untyped_data();
+  }
+  const int64_t nnz = idx.dimensions()[0];
+  JSM_CHECK(Limit(T, "n_q", n_q, kInt32Max));
+  JSM_CHECK(Limit(T, "nnz", nnz, kInt32Max));
+  JSM_CHECK(Limit(T, "q elements per row", heads * kKvDim, kInt32Max));
+  const int64_t kv_rows = std::min(kv.dimensions()[0], kInt32Max);  // idx cannot reach further
+  for (int64_t h0 = 0; h0 < heads && n_q > 0; h0 += kSparseMaxHeads) {
+    const int64_t group = std::min(kSparseMaxHeads, heads - h0);
+    const std::string symbol = "jsm_sparse_mla_h" + std::to_string(group) + "_i1_l" +
+                               (with_lse ? "1" : "0");
+    LaunchArgs args;
+    args.Tensor("Q", Ptr(q, h0 * kKvDim * 2), q.element_count() - h0 * kKvDim)
+        .Tensor("KV", kv.untyped_data(), kv.element_count())
+        .Tensor("IDX", idx.untyped_data(), idx.element_count())
+        .Tensor("IPTR", indptr.untyped_data(), indptr.element_count())
+        .Tensor("OUT", Ptr(*out, h0 * kLatentDim * 2), out->element_count() - h0 * kLatentDim)
+        .Tensor("LSE", lse ? static_cast<const char*>(lse) + h0 * 4 : nullptr,
+                lse ? n_q * heads - h0 : 0)
+        .I32("n_q", n_q).I32("nnz", nnz).I32("kv_rows", kv_rows)
+        .I32("q_row_stride", heads * kKvDim).I32("q_head_stride", kKvDim)
+        .I32("out_row_stride", heads * kLatentDim).I32("out_head_stride", kLatentDim)
+        .I32("lse_row_stride", heads).F32("sm_scale", sm_scale).Stream(stream);
+    JSM_CHECK(Launch(symbol, args, device));
+  }
+  return Error::Success();
+}
+
+// ------------------------------------------------------------------------------------------
+// mla_decode: split-KV partials, and the combine (also merge_attn_states).
+// ------------------------------------------------------------------------------------------
+
+Error MlaDecodePartials(void* stream, int32_t device, AnyBuffer q, AnyBuffer kv,
+                        AnyBuffer kv_indices, AnyBuffer kv_indptr, ffi::Result<AnyBuffer> o_parts,
+                        ffi::Result<AnyBuffer> lse_parts, int32_t qlen, float k_scale,
+                        float v_scale, float sm_scale) {
+  constexpr const char* T = "jsm_mla_decode_partials";
+  if (qlen != 1 && qlen != 2 && qlen != 4) {
+    return Error::InvalidArgument(std::string(T) + ": qlen must be 1, 2 or 4 (the compiled "
+                                  "kernels), got " + std::to_string(qlen));
+  }
+  JSM_CHECK(Expect(T, "kv_indptr", kv_indptr, DataType::S32, {-1}, "[B + 1]"));
+  const int64_t batch = kv_indptr.dimensions()[0] - 1;
+  const int64_t rows = batch * qlen;
+  const auto r = std::to_string(rows);
+  JSM_CHECK(Expect(T, "q", q, DataType::BF16, {rows, -1, kKvDim},
+                   Shape({"B * qlen = " + r, "H", "576"})));
+  const int64_t heads = q.dimensions()[1];
+  JSM_CHECK(Expect(T, "kv", kv, DataType::U8, {-1, kKvDim}, "[tokens, 576]"));
+  JSM_CHECK(Expect(T, "kv_indices", kv_indices, DataType::S32, {-1}, "[n]"));
+  JSM_CHECK(Expect(T, "o_parts", *o_parts, DataType::BF16, {rows, -1, heads, kLatentDim},
+                   Shape({r, "S", std::to_string(heads), "512"})));
+  const int64_t splits = o_parts->dimensions()[1];
+  JSM_CHECK(Expect(T, "lse_parts", *lse_parts, DataType::F32, {rows, splits, heads},
+                   Shape({r, std::to_string(splits), std::to_string(heads)})));
+  const int64_t n_indices = kv_indices.dimensions()[0];
+  JSM_CHECK(Limit(T, "kv_indices length", n_indices, (int64_t{1} << 29) - 1));
+  JSM_CHECK(Limit(T, "B * num_splits", batch * splits, kInt32Max / 64));
+  if (batch == 0 || heads == 0 || splits == 0) return Error::Success();
+  LaunchArgs args;
+  args.Tensor("Q", q.untyped_data(), q.element_count())
+      .Tensor("KV", kv.untyped_data(), kv.element_count())
+      .Tensor("IDX", kv_indices.untyped_data(), kv_indices.element_count())
+      .Tensor("IPTR", kv_indptr.untyped_data(), kv_indptr.element_count())
+      .Tensor("OP", o_parts->untyped_data(), o_parts->element_count())
+      .Tensor("LP", lse_parts->untyped_data(), lse_parts->element_count())
+      .I32("num_requests", batch).I32("num_heads", heads).I32("num_splits", splits)
+      .I32("n_indices", n_indices).I32("tokens", std::min(kv.dimensions()[0], kInt32Max))
+      .F32("k_scale", k_scale).F32("v_scale", v_scale).F32("sm_scale", sm_scale)
+      .Stream(stream);
+  return Launch("jsm_mla_decode_partials_q" + std::to_string(qlen), args, device);
+}
+
+Error MlaDecodeCombine(void* stream, int32_t device, AnyBuffer o_parts, AnyBuffer lse_parts,
+                       ffi::Result<AnyBuffer> out, ffi::Result<AnyBuffer> lse) {
+  constexpr const char* T = "jsm_mla_decode_combine";
+  JSM_CHECK(Expect(T, "o_parts", o_parts, DataType::BF16, {-1, -1, -1, kLatentDim},
+                   "[n, S, H, 512]"));
+  const auto d = o_parts.dimensions();
+  const int64_t n = d[0], splits = d[1], heads = d[2];
+  const auto sn = std::to_string(n), ss = std::to_string(splits), sh = std::to_string(heads);
+  JSM_CHECK(Expect(T, "lse_parts", lse_parts, DataType::F32, {n, splits, heads},
+                   Shape({sn, ss, sh})));
+  JSM_CHECK(Expect(T, "out", *out, DataType::BF16, {n, heads, kLatentDim}, Shape({sn, sh, "512"})));
+  JSM_CHECK(Expect(T, "lse", *lse, DataType::F32, {n, heads}, Shape({sn, sh})));
+  JSM_CHECK(Limit(T, "n * H", n * heads, kInt32Max - 3));
+  if (n == 0 || heads == 0) return Error::Success();
+  if (splits == 0) {
+    return Error::InvalidArgument(std::string(T) + ": o_parts needs at least one split (S >= 1)");
+  }
+  LaunchArgs args;
+  args.Tensor("OP", o_parts.untyped_data(), o_parts.element_count())
+      .Tensor("LP", lse_parts.untyped_data(), lse_parts.element_count())
+      .Tensor("OUT", out->untyped_data(), out->element_count())
+      .Tensor("LOUT", lse->untyped_data(), lse->element_count())
+      .I32("num_rows", n * heads).I32("num_heads", heads).I32("num_splits", splits)
+      .Stream(stream);
+  return Launch("jsm_mla_decode_combine", args, device);
+}
+
+// ------------------------------------------------------------------------------------------
+// ultraquant_decode: per-partition partials, then their reduce.
+// ------------------------------------------------------------------------------------------
+
+bool SupportedGroup(int64_t g) { return g == 6 || g == 8 || g == 16; }
+bool SupportedBlock(int64_t bs) {
+  return bs == 16 || bs == 32 || bs == 64 || bs == 128 || bs == 256;
+}
+
+Error UltraquantPartials(void* stream, int32_t device, AnyBuffer q, AnyBuffer cache,
+                         AnyBuffer block_tables, AnyBuffer seq_lens,
+                         ffi::Result<AnyBuffer> out_parts, ffi::Result<AnyBuffer> max_logits,
+                         ffi::Result<AnyBuffer> exp_sums, float sm_scale) {
+  constexpr const char* T = "jsm_ultraquant_partials";
+  JSM_CHECK(Expect(T, "cache", cache, DataType::U8, {-1, -1, -1, -1},
+                   "[num_blocks, block_size, Hk, slot_bytes]"));
+  const auto c = cache.dimensions();
+  const int64_t num_blocks = c[0], block_size = c[1], hk = c[2], slot_bytes = c[3];
+  if (!SupportedBlock(block_size)) {
+    return Error::InvalidArgument(std::string(T) + ": cache block_size must be 16, 32, 64, "
+                                  "128 or 256 (the compiled kernels), got " +
+                                  std::to_string(block_size));
+  }
+  if (slot_bytes < 272 || slot_bytes % 4 != 0) {
+    return Error::InvalidArgument(std::string(T) + ": cache slot_bytes must be >= 272 and a "
+                                  "multiple of 4, got " + std::to_string(slot_bytes));
+  }
+  JSM_CHECK(Expect(T, "q", q, DataType::BF16, {-1, -1, kUqHeadDim}, "[B, Hq, 256]"));
+  const int64_t batch = q.dimensions()[0], hq = q.dimensions()[1];
+  if (hk == 0 || hq % hk != 0 || !SupportedGroup(hq / hk)) {
+    return Error::InvalidArgument(std::string(T) + ": Hq / Hk must be 6, 8 or 16 (the compiled "
+                                  "kernels), got Hq = " + std::to_string(hq) + ", Hk = " +
+                                  std::to_string(hk));
+  }
+  const int64_t g = hq / hk;
+  const auto sb = std::to_string(batch), shk = std::to_string(hk), sg = std::to_string(g);
+  JSM_CHECK(Expect(T, "block_tables", block_tables, DataType::S32, {batch, -1},
+                   Shape({sb, "max_blocks"})));
+  JSM_CHECK(Expect(T, "seq_lens", seq_lens, DataType::S32, {batch}, Shape({sb})));
+  JSM_CHECK(Expect(T, "out_parts", *out_parts, DataType::BF16, {batch, hk, -1, g, kUqHeadDim},
+                   Shape({sb, shk, "P", sg, "256"})));
+  const int64_t parts = out_parts->dimensions()[2];
+  const auto sp = std::to_string(parts);
+  JSM_CHECK(Expect(T, "max_logits", *max_logits, DataType::F32, {batch, hk, parts, g},
+                   Shape({sb, shk, sp, sg})));
+  JSM_CHECK(Expect(T, "exp_sums", *exp_sums, DataType::F32, {batch, hk, parts, g},
+                   Shape({sb, shk, sp, sg})));
+  const int64_t max_blocks = block_tables.dimensions()[1];
+  JSM_CHECK(Limit(T, "16 * Hk * slot_bytes", 16 * hk * slot_bytes, kInt32Max));
+  JSM_CHECK(Limit(T, "max_blocks * block_size", max_blocks * block_size, kInt32Max));
+  JSM_CHECK(Limit(T, "B * Hq * P", batch * hq * parts, kInt32Max));
+  JSM_CHECK(Limit(T, "num_blocks", num_blocks, kInt32Max));
+  if (batch == 0 || parts == 0) return Error::Success();
+  LaunchArgs args;
+  args.Tensor("out_parts", out_parts->untyped_data(), out_parts->element_count())
+      .Tensor("max_logits", max_logits->untyped_data(), max_logits->element_count())
+      .Tensor("exp_sums", exp_sums->untyped_data(), exp_sums->element_count())
+      .Tensor("q", q.untyped_data(), q.element_count())
+      .Tensor("cache", cache.untyped_data(), cache.element_count())
+      .Tensor("block_tables", block_tables.untyped_data(), block_tables.element_count())
+      .Tensor("seq_lens", seq_lens.untyped_data(), seq_lens.element_count())
+      .I32("num_seqs", batch).I32("num_kv_heads", hk).I32("slot_bytes", slot_bytes)
+      .I32("num_blocks", num_blocks).I32("max_blocks_per_seq", max_blocks)
+      .I32("num_partitions", parts).I32("stride_q_seq", hq * kUqHeadDim)
+      .I32("stride_q_head", kUqHeadDim).F32("sm_scale", sm_scale).Stream(stream);
+  return Launch("jsm_ultraquant_decode_g" + std::to_string(g) + "_bs" +
+                    std::to_string(block_size), args, device);
+}
+
+Error UltraquantReduce(void* stream, int32_t device, AnyBuffer out_parts, AnyBuffer max_logits,
+                       AnyBuffer exp_sums, ffi::Result<AnyBuffer> out) {
+  constexpr const char* T = "jsm_ultraquant_reduce";
+  JSM_CHECK(Expect(T, "out_parts", out_parts, DataType::BF16, {-1, -1, -1, -1, kUqHeadDim},
+                   "[B, Hk, P, G, 256]"));
+  const auto d = out_parts.dimensions();
+  const int64_t batch = d[0], hk = d[1], parts = d[2], g = d[3];
+  const auto sb = std::to_string(batch), shk = std::to_string(hk), sp = std::to_string(parts),
+             sg = std::to_string(g);
+  JSM_CHECK(Expect(T, "max_logits", max_logits, DataType::F32, {batch, hk, parts, g},
+                   Shape({sb, shk, sp, sg})));
+  JSM_CHECK(Expect(T, "exp_sums", exp_sums, DataType::F32, {batch, hk, parts, g},
+                   Shape({sb, shk, sp, sg})));
+  JSM_CHECK(Expect(T, "out", *out, DataType::BF16, {batch, hk * g, kUqHeadDim},
+                   Shape({sb, std::to_string(hk * g), "256"})));
+  JSM_CHECK(Limit(T, "B * Hq * P", batch * hk * g * parts, kInt32Max));
+  if (batch == 0 || hk == 0 || g == 0) return Error::Success();
+  if (parts == 0) {
+    return Error::InvalidArgument(std::string(T) + ": needs at least one partition (P >= 1)");
+  }
+  LaunchArgs args;
+  args.Tensor("out", out->untyped_data(), out->element_count())
+      .Tensor("out_parts", out_parts.untyped_data(), out_parts.element_count())
+      .Tensor("max_logits", max_logits.untyped_data(), max_logits.element_count())
+      .Tensor("exp_sums", exp_sums.untyped_data(), exp_sums.element_count())
+      .I32("num_seqs", batch).I32("num_kv_heads", hk).I32("query_group_size", g)
+      .I32("num_partitions", parts).Stream(stream);
+  return Launch("jsm_ultraquant_reduce", args, device);
+}
+
+}  // namespace
+}  // namespace jsm
+
+// ------------------------------------------------------------------------------------------
+// The exported handler symbols (registered from Python for platform "ROCM", or "cpu" for the
+// recording build).
+// ------------------------------------------------------------------------------------------
+
+#pragma GCC visibility push(default)
+
+#define JSM_BIND ffi::Ffi::Bind().Ctx<jsm::StreamCtx>().Ctx<jsm::DeviceCtx>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmSparseMla, jsm::SparseMla,
+                              JSM_BIND.Arg<AnyBuffer>()
+                                  .Arg<AnyBuffer>()
+                                  .Arg<AnyBuffer>()
+                                  .Arg<AnyBuffer>()
+                                  .Ret<AnyBuffer>()
+                                  .RemainingRets()
+                                  .Attr<float>("sm_scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmMlaDecodePartials, jsm::MlaDecodePartials,
+                              JSM_BIND.Arg<AnyBuffer>()
+                                  .Arg<AnyBuffer>()
+                                  .Arg<AnyBuffer>()
+                                  .Arg<AnyBuffer>()
+                                  .Ret<AnyBuffer>()
+                                  .Ret<AnyBuffer>()
+                                  .Attr<int32_t>("qlen")
+                                  .Attr<float>("k_scale")
+                                  .Attr<float>("v_scale")
+                                  .Attr<float>("sm_scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmMlaDecodeCombine, jsm::MlaDecodeCombine,
+                              JSM_BIND.Arg<AnyBuffer>()
+                                  .Arg<AnyBuffer>()
+                                  .Ret<AnyBuffer>()
+                                  .Ret<AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmUltraquantPartials, jsm::UltraquantPartials,
+                              JSM_BIND.Arg<AnyBuffer>()
+                                  .Arg<AnyBuffer>()
+                                  .Arg<AnyBuffer>()
+                                  .Arg<AnyBuffer>()
+                                  .Ret<AnyBuffer>()
+                                  .Ret<AnyBuffer>()
+                                  .Ret<AnyBuffer>()
+                                  .Attr<float>("sm_scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmUltraquantReduce, jsm::UltraquantReduce,
+                              JSM_BIND.Arg<AnyBuffer>()
+                                  .Arg<AnyBuffer>()
+                                  .Arg<AnyBuffer>()
+                                  .Ret<AnyBuffer>());
+
+#pragma GCC visibility pop

@@ -1,0 +1,410 @@
+"""The FFI handlers' launches, recorded on the CPU.
+
+The recording library (``build_lib.build_library(..., recording=True)``) is the handler code and
+the real FlyDSL objects of ``build/gfx950`` with a HIP whose ``hipModuleLaunchKernel`` logs what
+it would launch: kernel, grid, block, stream, the handler's packed ``void **args`` (by the
+export ABI) and the kernel arguments the FlyDSL host code passes on. Its handlers run on XLA CPU.
+
+Registering them for the CPU is process-wide, so the scenarios run in a subprocess (this file
+run as a script prints one JSON object); the tests compare its log with what each kernel
+module's launch ABI says. Needs the kernel build (``python -m jax_sparse_mla.build --arch
+gfx950``) and a C++ compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+RECORDING_STREAM = 0x5157  # the stand-in stream of the recording build (handlers.cc)
+BIG_RECORDS = 6_600_000  # 4.33 GB of fp8_ds_mla records: byte offsets past 2^32
+INT32_MAX = 2**31 - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Scenarios (run in the subprocess): name -> (function of the arrays, the arrays)
+# ---------------------------------------------------------------------------------------------
+
+
+def scenarios():
+    import jax
+    import jax.numpy as jnp
+
+    import jax_sparse_mla as jsm
+
+    def sparse(n_q, h, rows, nnz, return_lse):
+        args = dict(
+            q=jnp.ones((n_q, h, 576), jnp.bfloat16),
+            kv=jnp.zeros((rows, 656), jnp.uint8),
+            idx=jnp.arange(nnz, dtype=jnp.int32) % max(rows, 1),
+            indptr=jnp.asarray(np.linspace(0, nnz, n_q + 1).astype(np.int32)),
+        )
+        fn = jax.jit(
+            lambda q, kv, idx, indptr: jsm.sparse_mla(
+                q, kv, idx, indptr, sm_scale=0.125, return_lse=return_lse,
+                implementation="flydsl",
+            )
+        )  # fmt: skip
+        return fn, args
+
+    def decode(batch, qlen, h, splits, tokens):
+        args = dict(
+            q=jnp.ones((batch * qlen, h, 576), jnp.bfloat16),
+            kv=jnp.zeros((tokens, 576), jnp.uint8),  # codes (e4m3fn would be bitcast: a copy)
+            kv_indices=jnp.arange(2 * tokens, dtype=jnp.int32) % tokens,
+            kv_indptr=jnp.asarray(np.linspace(0, 2 * tokens, batch + 1).astype(np.int32)),
+        )
+        fn = jax.jit(
+            lambda q, kv, i, p: jsm.mla_decode(
+                q, kv, i, p, qlen=qlen, k_scale=0.5, v_scale=2.0, sm_scale=0.1,
+                num_splits=splits, implementation="flydsl",
+            )
+        )  # fmt: skip
+        return fn, args
+
+    def ultraquant(batch, hk, g, block_size, parts):
+        args = dict(
+            q=jnp.ones((batch, hk * g, 256), jnp.bfloat16),
+            cache=jnp.zeros((5, block_size, hk, 272), jnp.uint8),
+            block_tables=jnp.asarray(np.arange(3 * batch, dtype=np.int32).reshape(batch, 3) % 5),
+            seq_lens=jnp.asarray(np.arange(batch, dtype=np.int32) * 7 + 3),
+        )
+        fn = jax.jit(
+            lambda q, c, t, s: jsm.ultraquant_decode(
+                q, c, t, s, sm_scale=0.0625, num_partitions=parts, implementation="flydsl"
+            )
+        )
+        return fn, args
+
+    return {
+        "sparse_h20_lse": lambda: sparse(3, 20, 10, 7, True),
+        "sparse_h1": lambda: sparse(2, 1, 10, 7, False),
+        "sparse_empty": lambda: sparse(0, 4, 10, 7, True),
+        "sparse_big_cache": lambda: sparse(2, 16, BIG_RECORDS, 4, True),
+        "decode_q2": lambda: decode(3, 2, 16, 4, 50),
+        "decode_q1_h128": lambda: decode(2, 1, 128, 1, 20),
+        "ultraquant_g8": lambda: ultraquant(2, 2, 8, 32, 3),
+        "ultraquant_g3": lambda: ultraquant(2, 2, 3, 16, 1),
+    }
+
+
+def bad_calls():
+    """Direct custom calls with one wrong buffer each: (target, args, results, attrs)."""
+    import jax
+    import jax.numpy as jnp
+
+    bf, f32, s32, u8 = jnp.bfloat16, jnp.float32, jnp.int32, jnp.uint8
+
+    def z(shape, dtype):
+        return jnp.zeros(shape, dtype)
+
+    def out(*shape_dtypes):
+        return [jax.ShapeDtypeStruct(s, d) for s, d in shape_dtypes]
+
+    sparse_ok = [z((2, 4, 576), bf), z((10, 656), u8), z((6,), s32), z((3,), s32)]
+    partials_ok = [z((4, 16, 576), bf), z((9, 576), u8), z((9,), s32), z((3,), s32)]
+    scales = dict(k_scale=np.float32(1), v_scale=np.float32(1), sm_scale=np.float32(1))
+    uq_ok = [z((2, 16, 256), bf), z((4, 16, 2, 272), u8), z((2, 3), s32), z((2,), s32)]
+    uq_parts = out(((2, 2, 1, 8, 256), bf), ((2, 2, 1, 8), f32), ((2, 2, 1, 8), f32))
+    return {
+        "sparse_q_dtype": ("jsm_sparse_mla", [z((2, 4, 576), f32), *sparse_ok[1:]],
+                           out(((2, 4, 512), bf)), dict(sm_scale=np.float32(1))),
+        "sparse_indptr": ("jsm_sparse_mla", [*sparse_ok[:3], z((2,), s32)],
+                          out(((2, 4, 512), bf)), dict(sm_scale=np.float32(1))),
+        "sparse_lse_shape": ("jsm_sparse_mla", sparse_ok, out(((2, 4, 512), bf), ((2, 5), f32)),
+                             dict(sm_scale=np.float32(1))),
+        "sparse_kv_record": ("jsm_sparse_mla", [sparse_ok[0], z((10, 576), u8), *sparse_ok[2:]],
+                             out(((2, 4, 512), bf)), dict(sm_scale=np.float32(1))),
+        "partials_qlen": ("jsm_mla_decode_partials", partials_ok,
+                          out(((4, 2, 16, 512), bf), ((4, 2, 16), f32)),
+                          dict(qlen=np.int32(3), **scales)),
+        "partials_q_rows": ("jsm_mla_decode_partials", partials_ok,
+                            out(((4, 2, 16, 512), bf), ((4, 2, 16), f32)),
+                            dict(qlen=np.int32(1), **scales)),
+        "combine_lse": ("jsm_mla_decode_combine", [z((3, 2, 4, 512), bf), z((3, 2, 5), f32)],
+                        out(((3, 4, 512), bf), ((3, 4), f32)), {}),
+        "uq_block_size": ("jsm_ultraquant_partials",
+                          [uq_ok[0], z((4, 48, 2, 272), u8), *uq_ok[2:]], uq_parts,
+                          dict(sm_scale=np.float32(1))),
+        "uq_group": ("jsm_ultraquant_partials", [z((2, 10, 256), bf), *uq_ok[1:]], uq_parts,
+                     dict(sm_scale=np.float32(1))),
+        "uq_slot": ("jsm_ultraquant_partials", [uq_ok[0], z((4, 16, 2, 270), u8), *uq_ok[2:]],
+                    uq_parts, dict(sm_scale=np.float32(1))),
+        "reduce_out": ("jsm_ultraquant_reduce", [z((2, 2, 1, 8, 256), bf), z((2, 2, 1, 8), f32),
+                                                 z((2, 2, 1, 8), f32)],
+                       out(((2, 8, 256), bf)), {}),
+    }  # fmt: skip
+
+
+def run_driver(library: str) -> dict:
+    """The subprocess: registers the recording library for the CPU, runs every scenario twice
+    (the second run's events show whether code objects load again) and every bad call."""
+    import jax
+
+    from jax_sparse_mla.ffi import register_targets
+
+    lib = ctypes.CDLL(library)
+    register_targets(lib, "cpu")
+
+    def take():
+        size = lib.jsm_record_take(None, 0)
+        buf = ctypes.create_string_buffer(size + 4096)
+        lib.jsm_record_take(buf, len(buf))
+        return json.loads(buf.value.decode())
+
+    lib.jsm_record_take.restype = ctypes.c_size_t
+    result = {}
+    for name, make in scenarios().items():
+        fn, args = make()
+        pointers = {k: v.unsafe_buffer_pointer() for k, v in args.items()}
+        jax.block_until_ready(fn(*args.values()))
+        first = take()
+        jax.block_until_ready(fn(*args.values()))
+        result[name] = {"pointers": pointers, "events": first, "again": take()}
+        del args
+    errors = {}
+    for name, (target, args, results, attrs) in bad_calls().items():
+        try:
+            jax.block_until_ready(jax.ffi.ffi_call(target, results)(*args, **attrs))
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001  (the message is the result)
+            errors[name] = str(e)
+    result["errors"] = errors
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# The tests
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    from jax_sparse_mla.ffi import build_lib
+
+    kernel_dir = build_lib.DEFAULT_KERNEL_DIR
+    if not (kernel_dir / "manifest.json").exists():
+        pytest.skip(
+            f"no kernel build at {kernel_dir}: python -m jax_sparse_mla.build --arch gfx950"
+        )
+    try:
+        build_lib.compiler()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    library = tmp_path_factory.mktemp("ffi") / "recording.so"
+    build_lib.build_library(library, kernel_dir, recording=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, str(library)], capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def launches(events):
+    return [e for e in events if e["event"] == "launch"]
+
+
+def packed(event) -> dict:
+    """name:kind -> value of the handler's packed arguments."""
+    return {f"{n}:{k}": v for n, k, v in event["packed"]}
+
+
+def f32_bits(x: float) -> int:
+    return int(np.float32(x).view(np.uint32))
+
+
+def check_launch(event, kernel, grid, block):
+    assert event["kernel"] == kernel
+    assert event["grid"] == list(grid) and event["block"] == list(block)
+    assert event["stream"] == RECORDING_STREAM and event["shared"] == 0
+
+
+def test_sparse_mla_head_groups(recorded):
+    """H = 20 runs as heads 0-15 and 16-19: q / out / lse offset by the group's first head,
+    the full tensors' strides, one workgroup of 256 threads per query row."""
+    r = recorded["sparse_h20_lse"]
+    n_q, h, rows, nnz = 3, 20, 10, 7
+    first, second = launches(r["events"])
+    check_launch(first, "jsm_sparse_mla_h16_i1_l1", (n_q, 1, 1), (256, 1, 1))
+    check_launch(second, "jsm_sparse_mla_h4_i1_l1", (n_q, 1, 1), (256, 1, 1))
+    for event, h0 in ((first, 0), (second, 16)):
+        a = packed(event)
+        assert a["Q:p"] == r["pointers"]["q"] + h0 * 576 * 2
+        assert a["Q:L1"] == n_q * h * 576 - h0 * 576
+        assert (a["KV:p"], a["KV:L1"]) == (r["pointers"]["kv"], rows * 656)
+        assert (a["IDX:p"], a["IDX:L1"]) == (r["pointers"]["idx"], nnz)
+        assert (a["IPTR:p"], a["IPTR:L1"]) == (r["pointers"]["indptr"], n_q + 1)
+        assert a["OUT:L1"] == n_q * h * 512 - h0 * 512 and a["LSE:L1"] == n_q * h - h0
+        scalars = [
+            a[k]
+            for k in (
+                "n_q:i32",
+                "nnz:i32",
+                "kv_rows:i32",
+                "q_row_stride:i32",
+                "q_head_stride:i32",
+                "out_row_stride:i32",
+                "out_head_stride:i32",
+                "lse_row_stride:i32",
+                "sm_scale:f32",
+            )
+        ]
+        assert scalars == [n_q, nnz, rows, h * 576, 576, h * 512, 512, h, f32_bits(0.125)]
+        # The sparse kernel receives every packed argument as it is.
+        assert event["kernel_args"] == [v for _, _, v in event["packed"]]
+    a0, a1 = packed(first), packed(second)
+    assert a1["OUT:p"] - a0["OUT:p"] == 16 * 512 * 2 and a1["LSE:p"] - a0["LSE:p"] == 16 * 4
+    assert a0["OUT:p"] not in r["pointers"].values()
+
+
+def test_sparse_mla_without_lse_and_empty(recorded):
+    (event,) = launches(recorded["sparse_h1"]["events"])
+    check_launch(event, "jsm_sparse_mla_h1_i1_l0", (2, 1, 1), (256, 1, 1))
+    assert (packed(event)["LSE:p"], packed(event)["LSE:L1"]) == (0, 0)
+    assert recorded["sparse_empty"]["events"] == []  # n_q = 0: nothing to launch
+
+
+def test_code_objects_load_once_per_device(recorded):
+    """Each configuration's code object is loaded just before its first launch in the process
+    (the scenarios run in order, each twice), on the launch's device, and never again."""
+    loaded = set()
+    for name, r in recorded.items():
+        if name == "errors":
+            continue
+        for event in r["events"] + r["again"]:
+            assert event["device"] == 0
+            if event["event"] == "load":
+                assert event["kernel"] not in loaded
+                loaded.add(event["kernel"])
+            else:
+                assert event["kernel"] in loaded
+        assert [e["event"] for e in r["again"]] == ["launch"] * len(launches(r["events"]))
+    assert len(loaded) == 9
+
+
+def test_cache_over_4_gib(recorded):
+    """Records past byte 2^32: the data pointer is 64-bit, the unused int32 layout is clamped,
+    kv_rows is the record count."""
+    r = recorded["sparse_big_cache"]
+    (event,) = launches(r["events"])
+    a = packed(event)
+    assert BIG_RECORDS * 656 > 2**32
+    assert (a["KV:p"], a["KV:L1"], a["kv_rows:i32"]) == (
+        r["pointers"]["kv"],
+        INT32_MAX,
+        BIG_RECORDS,
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "batch", "qlen", "h", "splits", "tokens"),
+    [("decode_q2", 3, 2, 16, 4, 50), ("decode_q1_h128", 2, 1, 128, 1, 20)],
+)
+def test_mla_decode_partials_then_combine(recorded, name, batch, qlen, h, splits, tokens):
+    r = recorded[name]
+    part, comb = launches(r["events"])
+    groups = math.ceil(h * qlen / 16)  # 16 query rows per CTA
+    check_launch(part, f"jsm_mla_decode_partials_q{qlen}",
+                 (8 * groups * math.ceil(batch * splits / 8), 1, 1), (512, 1, 1))  # fmt: skip
+    a = packed(part)
+    n = batch * qlen
+    assert (a["Q:p"], a["Q:L1"]) == (r["pointers"]["q"], n * h * 576)
+    assert (a["KV:p"], a["KV:L1"]) == (r["pointers"]["kv"], tokens * 576)
+    assert (a["IDX:p"], a["IDX:L1"]) == (r["pointers"]["kv_indices"], 2 * tokens)
+    assert (a["IPTR:p"], a["IPTR:L1"]) == (r["pointers"]["kv_indptr"], batch + 1)
+    assert (a["OP:L1"], a["LP:L1"]) == (n * splits * h * 512, n * splits * h)
+    scalars = [a[k] for k in ("num_requests:i32", "num_heads:i32", "num_splits:i32",
+                              "n_indices:i32", "tokens:i32", "k_scale:f32", "v_scale:f32",
+                              "sm_scale:f32")]  # fmt: skip
+    assert scalars == [batch, h, splits, 2 * tokens, tokens, f32_bits(0.5), f32_bits(2.0),
+                       f32_bits(0.1)]  # fmt: skip
+    check_launch(comb, "jsm_mla_decode_combine", (math.ceil(n * h / 4), 1, 1), (256, 1, 1))
+    c = packed(comb)
+    assert (c["OP:p"], c["LP:p"]) == (a["OP:p"], a["LP:p"])  # the partials feed the combine
+    assert [c["num_rows:i32"], c["num_heads:i32"], c["num_splits:i32"]] == [n * h, h, splits]
+    assert (c["OUT:L1"], c["LOUT:L1"]) == (n * h * 512, n * h)
+    for event in (part, comb):
+        assert event["kernel_args"] == [v for _, _, v in event["packed"]]
+
+
+@pytest.mark.parametrize(
+    ("name", "g", "kernel_g", "block_size", "parts"),
+    [("ultraquant_g8", 8, 8, 32, 3), ("ultraquant_g3", 3, 6, 16, 1)],
+)
+def test_ultraquant_partials_then_reduce(recorded, name, g, kernel_g, block_size, parts):
+    """Grid (B, Hk, P) of one-wave groups, then the reduce over (B, Hq); G = 3 runs as the G = 6
+    kernel with zero query rows (q is a padded copy)."""
+    r = recorded[name]
+    batch, hk = 2, 2
+    dec, red = launches(r["events"])
+    check_launch(dec, f"jsm_ultraquant_decode_g{kernel_g}_bs{block_size}", (batch, hk, parts),
+                 (64, 1, 1))  # fmt: skip
+    a = packed(dec)
+    rows = batch * hk * parts * kernel_g
+    assert (a["out_parts:L1"], a["max_logits:L1"], a["exp_sums:L1"]) == (rows * 256, rows, rows)
+    assert a["q:L1"] == batch * hk * kernel_g * 256
+    assert (a["q:p"] == r["pointers"]["q"]) == (g == kernel_g)
+    assert (a["cache:p"], a["cache:L1"]) == (r["pointers"]["cache"], 5 * block_size * hk * 272)
+    assert (a["block_tables:p"], a["block_tables:L1"]) == (r["pointers"]["block_tables"], 6)
+    assert (a["seq_lens:p"], a["seq_lens:L1"]) == (r["pointers"]["seq_lens"], batch)
+    scalars = [
+        a[k]
+        for k in (
+            "num_seqs:i32",
+            "num_kv_heads:i32",
+            "slot_bytes:i32",
+            "num_blocks:i32",
+            "max_blocks_per_seq:i32",
+            "num_partitions:i32",
+            "stride_q_seq:i32",
+            "stride_q_head:i32",
+            "sm_scale:f32",
+        )
+    ]
+    assert scalars == [batch, hk, 272, 5, 3, parts, hk * kernel_g * 256, 256, f32_bits(0.0625)]
+    # The grid carries num_seqs: the kernel receives every other argument, in order.
+    assert dec["kernel_args"] == [v for n, _, v in dec["packed"] if n != "num_seqs"]
+    check_launch(red, "jsm_ultraquant_reduce", (batch, hk * kernel_g, 1), (64, 1, 1))
+    b = packed(red)
+    assert [b["out_parts:p"], b["max_logits:p"], b["exp_sums:p"]] == [
+        a["out_parts:p"], a["max_logits:p"], a["exp_sums:p"]]  # fmt: skip
+    assert [b["num_seqs:i32"], b["num_kv_heads:i32"], b["query_group_size:i32"],
+            b["num_partitions:i32"]] == [batch, hk, kernel_g, parts]  # fmt: skip
+    assert red["kernel_args"] == [v for n, _, v in red["packed"] if n != "num_seqs"]
+
+
+EXPECTED_ERRORS = {
+    "sparse_q_dtype": "jsm_sparse_mla: q must be bf16[n_q, H, 576], got f32[2, 4, 576]",
+    "sparse_indptr": "jsm_sparse_mla: indptr must be s32[2 + 1], got s32[2]",
+    "sparse_lse_shape": "jsm_sparse_mla: lse must be f32[2, 4], got f32[2, 5]",
+    "sparse_kv_record": "jsm_sparse_mla: kv must be u8[rows, 656], got u8[10, 576]",
+    "partials_qlen": "jsm_mla_decode_partials: qlen must be 1, 2 or 4 (the compiled kernels), "
+    "got 3",
+    "partials_q_rows": "jsm_mla_decode_partials: q must be bf16[B * qlen = 2, H, 576], "
+    "got bf16[4, 16, 576]",
+    "combine_lse": "jsm_mla_decode_combine: lse_parts must be f32[3, 2, 4], got f32[3, 2, 5]",
+    "uq_block_size": "jsm_ultraquant_partials: cache block_size must be 16, 32, 64, 128 or 256 "
+    "(the compiled kernels), got 48",
+    "uq_group": "jsm_ultraquant_partials: Hq / Hk must be 6, 8 or 16 (the compiled kernels), "
+    "got Hq = 10, Hk = 2",
+    "uq_slot": "jsm_ultraquant_partials: cache slot_bytes must be >= 272 and a multiple of 4, "
+    "got 270",
+    "reduce_out": "jsm_ultraquant_reduce: out must be bf16[2, 16, 256], got bf16[2, 8, 256]",
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_ERRORS))
+def test_handlers_reject_bad_buffers(recorded, name):
+    message = recorded["errors"][name]
+    assert message is not None and "INVALID_ARGUMENT" in message
+    assert EXPECTED_ERRORS[name] in message
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_driver(sys.argv[1])))
