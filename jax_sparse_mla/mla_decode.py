@@ -109,14 +109,27 @@ _FLYDSL_UNSUPPORTED = DecodeImplementation(
 )
 
 
+def _f32_parts(partials: Callable) -> Callable:
+    """``partials`` with o_parts in float32 (exact), the type every platform's branch returns."""
+
+    def run(*args, **kw):
+        o_parts, lse_parts = partials(*args, **kw)
+        return o_parts.astype(jnp.float32), lse_parts
+
+    return run
+
+
 def _auto(field: str):
     """implementation=None: the FlyDSL kernels on gfx950 (ROCm), the compiled Pallas kernel on
     Hopper GPUs, "xla" everywhere else."""
     xla = getattr(_XLA, field)
+    flydsl = getattr(_FLYDSL, field)
+    if field == "partials":
+        flydsl = _f32_parts(flydsl)
     return by_platform(
         default=xla,
         cuda=hopper_or(getattr(_COMPILED, field), xla),
-        rocm=gfx950_or(getattr(_FLYDSL, field), xla, getattr(_FLYDSL_UNSUPPORTED, field)),
+        rocm=gfx950_or(flydsl, xla, getattr(_FLYDSL_UNSUPPORTED, field)),
     )
 
 
