@@ -160,6 +160,10 @@ def build(arch: str, out: Path, jobs: int, force: bool = False) -> dict:
     entries = [_manifest_entry(job, objects, old) for job in all_jobs]
     manifest = {"arch": arch, "kernels": entries}
     manifest_path.write_text(json.dumps(manifest, indent=1))
+    current = {job.config.symbol for job in all_jobs}
+    for f in objects.iterdir():  # objects of configurations that no longer exist
+        if f.stem not in current:
+            f.unlink()
     size = sum(f.stat().st_size for f in objects.iterdir())
     print(
         f"built {len(stale)} of {len(all_jobs)} configurations in {wall:.0f} s "

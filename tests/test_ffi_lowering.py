@@ -299,9 +299,9 @@ def test_library_without_a_kernel_names_the_build_command(tmp_path):
         pytest.skip(str(e))
     lib = ctypes.CDLL(str(build_lib.build_library(tmp_path / "empty.so", None, recording=True)))
     message = ctypes.create_string_buffer(1024)
-    assert lib.jsm_prepare_launch(b"jsm_sparse_mla_h4_i1_l1", 0, message, len(message)) == 1
+    assert lib.jsm_prepare_launch(b"jsm_sparse_mla_h4_l1", 0, message, len(message)) == 1
     assert message.value.decode() == (
-        "jax_sparse_mla: kernel jsm_sparse_mla_h4_i1_l1 is not in this FFI library (0 kernels "
+        "jax_sparse_mla: kernel jsm_sparse_mla_h4_l1 is not in this FFI library (0 kernels "
         "linked from 'no kernel build'); build the kernels and relink: python -m "
         "jax_sparse_mla.build --arch gfx950 --link"
     )

@@ -231,8 +231,8 @@ def test_sparse_mla_head_groups(recorded):
     r = recorded["sparse_h20_lse"]
     n_q, h, rows, nnz = 3, 20, 10, 7
     first, second = launches(r["events"])
-    check_launch(first, "jsm_sparse_mla_h16_i1_l1", (n_q, 1, 1), (256, 1, 1))
-    check_launch(second, "jsm_sparse_mla_h4_i1_l1", (n_q, 1, 1), (256, 1, 1))
+    check_launch(first, "jsm_sparse_mla_h16_l1", (n_q, 1, 1), (256, 1, 1))
+    check_launch(second, "jsm_sparse_mla_h4_l1", (n_q, 1, 1), (256, 1, 1))
     for event, h0 in ((first, 0), (second, 16)):
         a = packed(event)
         assert a["Q:p"] == r["pointers"]["q"] + h0 * 576 * 2
@@ -265,7 +265,7 @@ def test_sparse_mla_head_groups(recorded):
 
 def test_sparse_mla_without_lse_and_empty(recorded):
     (event,) = launches(recorded["sparse_h1"]["events"])
-    check_launch(event, "jsm_sparse_mla_h1_i1_l0", (2, 1, 1), (256, 1, 1))
+    check_launch(event, "jsm_sparse_mla_h1_l0", (2, 1, 1), (256, 1, 1))
     assert (packed(event)["LSE:p"], packed(event)["LSE:L1"]) == (0, 0)
     assert recorded["sparse_empty"]["events"] == []  # n_q = 0: nothing to launch
 

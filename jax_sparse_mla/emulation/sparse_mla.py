@@ -6,8 +6,8 @@ memory is O(n_q x 128 x 512), never O(n_q x longest row x 512)), what
 
 * Rows: positions ``[b, e)`` with ``b, e = clamp(indptr[r], indptr[r + 1], 0, nnz)``, ``e >= b``;
   128-position tiles from ``b``; a key is masked (score -1e30, never read) when its entry is
-  outside ``[0, kv rows)``. (The kernel's ``has_invalid`` trimming only skips all-masked tiles,
-  which change nothing: the max does not move, so alpha = 1 and P = 0.)
+  outside ``[0, kv rows)``. (The kernel skips the tiles after the last unmasked entry: all-masked
+  tiles, which change nothing: the max does not move, so alpha = 1 and P = 0.)
 * Q per (row, head, 128-dim latent block): ``s_hi = max(e - 7, 6)`` with ``e`` the biased
   exponent of the block's ``max|q|``; ``x = q 2^(127 - s_hi)`` (built from the bf16 bits, exact;
   XLA:CPU flushes subnormal floats, so no subnormal is ever multiplied); ``hi = e4m3(x)``,

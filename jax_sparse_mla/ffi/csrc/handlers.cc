@@ -154,7 +154,7 @@ Error SparseMla(void* stream, int32_t device, AnyBuffer q, AnyBuffer kv, AnyBuff
   const int64_t kv_rows = std::min(kv.dimensions()[0], kInt32Max);  // idx cannot reach further
   for (int64_t h0 = 0; h0 < heads && n_q > 0; h0 += kSparseMaxHeads) {
     const int64_t group = std::min(kSparseMaxHeads, heads - h0);
-    const std::string symbol = "jsm_sparse_mla_h" + std::to_string(group) + "_i1_l" +
+    const std::string symbol = "jsm_sparse_mla_h" + std::to_string(group) + "_l" +
                                (with_lse ? "1" : "0");
     LaunchArgs args;
     args.Tensor("Q", Ptr(q, h0 * kKvDim * 2), q.element_count() - h0 * kKvDim)

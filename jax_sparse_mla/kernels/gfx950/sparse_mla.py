@@ -10,8 +10,9 @@ Arithmetic, exactly (``c = sm_scale * f32(log2 e)``, all f32 unless said otherwi
 
 * Positions: ``[b, e)`` with ``b, e = clamp(indptr[r], indptr[r + 1], 0, nnz)`` (so ``e >= b``);
   a key is masked when its position is ``>= e`` or its entry is outside ``[0, kv_rows)`` (one
-  unsigned compare). Tiles of 128 positions from ``b``; with ``has_invalid`` the tiles after the
-  last unmasked entry are skipped (a scan of the row), which changes no arithmetic.
+  unsigned compare). Tiles of 128 positions from ``b``; the tiles after the last unmasked entry
+  are skipped (a scan of the row's indices, so -1 padding costs no tile), which changes no
+  arithmetic.
 * Q, per (head, 128-dim block j of the latent): ``e = exponent bits of max|q|``,
   ``s_hi = max(e - 7, 6)`` (E8M0, so ``max|q| * 2^(127 - s_hi)`` is in [128, 256)),
   ``x = q * 2^(127 - s_hi)``, ``hi = e4m3(x)``, ``lo = e4m3((x - hi) * 32)`` (RNE, OCP e4m3fn),
@@ -155,13 +156,11 @@ class Config:
 
     kernel: str = "sparse_mla"
     num_heads: int = MAX_HEADS
-    has_invalid: bool = False  # scan the row and skip the tiles after its last unmasked entry
     return_lse: bool = True
 
     @property
     def symbol(self) -> str:
-        flags = f"i{int(self.has_invalid)}_l{int(self.return_lse)}"
-        return f"jsm_{self.kernel}_h{self.num_heads}_{flags}"
+        return f"jsm_{self.kernel}_h{self.num_heads}_l{int(self.return_lse)}"
 
     @property
     def design_waves_per_simd(self) -> int:
@@ -178,9 +177,8 @@ class Config:
 
 
 CONFIGS: tuple[Config, ...] = tuple(
-    Config(num_heads=heads, has_invalid=trim, return_lse=lse)
+    Config(num_heads=heads, return_lse=lse)
     for heads in range(1, MAX_HEADS + 1)
-    for trim in (False, True)
     for lse in (False, True)
 )
 
@@ -381,7 +379,7 @@ def build_launcher(config: Config):
     H = config.num_heads
     if not 1 <= H <= MAX_HEADS:
         raise ValueError(f"num_heads must be in [1, {MAX_HEADS}], got {H}")
-    has_invalid, return_lse = config.has_invalid, config.return_lse
+    return_lse = config.return_lse
     lds_latent = config.lds_latent
 
     @fx.struct
@@ -437,18 +435,15 @@ def build_launcher(config: Config):
             """Position p of the row holds an unmasked entry ix."""
             return (p < r_len) & (fx.Uint32(as_ir(ix)) < fx.Uint32(as_ir(kv_rows)))
 
-        # ---- tile count; has_invalid: up to the last unmasked entry
-        if const_expr(has_invalid):
-            last = fx.Int32(0)
-            for sc in range((r_len + 255) >> 8):
-                p0 = fx.Int32(sc) * 256 + lane * 4
-                v = Vec(load_idx(p0, T.vec(4, T.i32)))
-                for j in range_constexpr(4):
-                    last = entry_ok(i32(v[j]), p0 + j).select(p0 + j + 1, last)
-            for sh in (1, 2, 4, 8, 16, 32):
-                last = fx.max(last, last.shuffle_xor(sh, 64))
-        else:
-            last = r_len
+        # ---- tile count: up to the last unmasked entry
+        last = fx.Int32(0)
+        for sc in range((r_len + 255) >> 8):
+            p0 = fx.Int32(sc) * 256 + lane * 4
+            v = Vec(load_idx(p0, T.vec(4, T.i32)))
+            for j in range_constexpr(4):
+                last = entry_ok(i32(v[j]), p0 + j).select(p0 + j + 1, last)
+        for sh in (1, 2, 4, 8, 16, 32):
+            last = fx.max(last, last.shuffle_xor(sh, 64))
         nt = uniform((last + (TILE - 1)) >> 7)
 
         # ---- Q: lane (head t, group g) holds latent blocks g // 2 and 2 + g // 2 as fp8 hi/lo
