@@ -52,7 +52,7 @@ class BuildFfiLibrary(build_ext):
             return
         output = Path(self.get_ext_fullpath(ext.name))
         lib.build_library(output, kernel_dir, cxx=compiler)
-        print(f"jax_sparse_mla: built {output} ({len(lib.kernel_objects(kernel_dir))} kernels)")
+        print(f"jax_sparse_mla: built {output} ({len(lib.manifest_kernels(kernel_dir))} kernels)")
 
 
 setup(

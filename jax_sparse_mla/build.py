@@ -9,8 +9,8 @@ Compiles every configuration (``CONFIGS``) of every kernel module in
 - ``objects/<symbol>.o`` + ``.h``: the host object (packed ``void **args`` entry, module
   init/load/unload) with the code object embedded;
 - ``manifest.json``: for each configuration its module, fields, symbol, launch ABI (FlyDSL's
-  export metadata), kernel resources and a source key; a configuration whose key is unchanged is
-  not recompiled.
+  export metadata), the GPU kernel's argument sizes, kernel resources and a source key; a
+  configuration whose key is unchanged is not recompiled.
 
 Each module is compiled in its own subprocess (an LLVM selection error aborts the process that
 hits it); when one dies, its configurations are retried one per process to name the culprit.
@@ -38,7 +38,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from jax_sparse_mla.codeobject import LDS_BYTES_PER_CU, KernelResources, read_kernel_resources
+from jax_sparse_mla.codeobject import (
+    LDS_BYTES_PER_CU,
+    KernelResources,
+    read_kernel_arg_sizes,
+    read_kernel_resources,
+)
 
 ARCHS = ("gfx950",)
 KERNEL_MODULES = ("sparse_mla", "mla_decode", "ultraquant")
@@ -229,9 +234,16 @@ def _manifest_entry(job: Job, objects: Path, old: dict) -> dict:
         "object": f"objects/{symbol}.o",
         "header": f"objects/{symbol}.h",
         "abi": _export_metadata(obj, symbol),
+        "kernel_arg_sizes": _one(read_kernel_arg_sizes(obj), symbol),
         "resources": [dataclasses.asdict(r) for r in resources],
         "compile_seconds": seconds,
     }
+
+
+def _one(per_kernel: dict, symbol: str):
+    if len(per_kernel) != 1:
+        raise ValueError(f"{symbol}: expected one GPU kernel in the object, got {list(per_kernel)}")
+    return next(iter(per_kernel.values()))
 
 
 def _export_metadata(object_bytes: bytes, symbol: str) -> dict:
@@ -323,7 +335,7 @@ def link_ffi_library(kernel_dir: Path) -> Path:
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     path = ffi.library_path() or Path(ffi.__file__).parent / f"{ffi.LIBRARY_NAME}{suffix}"
     build_lib.build_library(path, kernel_dir)
-    print(f"linked {path} with {len(build_lib.kernel_objects(kernel_dir))} kernels")
+    print(f"linked {path} with {len(build_lib.manifest_kernels(kernel_dir))} kernels")
     return path
 
 
