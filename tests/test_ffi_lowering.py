@@ -154,11 +154,22 @@ CALLS = {
 
 
 @pytest.mark.parametrize("op", sorted(CALLS))
-def test_other_platforms_never_hold_the_rocm_calls(op):
+def test_cpu_lowering_never_holds_the_rocm_calls(op):
     fn, args = CALLS[op]
     assert jsm_targets(fn, *args(), platform="rocm")
     assert jsm_targets(fn, *args(), platform="cpu") == []
-    assert jsm_targets(fn, *args(), platform="cuda") == []
+
+
+@pytest.mark.parametrize("op", sorted(CALLS))
+def test_cuda_lowering_never_holds_the_rocm_calls(op):
+    fn, args = CALLS[op]
+    try:
+        targets = jsm_targets(fn, *args(), platform="cuda")
+    except RuntimeError as e:
+        if "No supported GPU devices" not in str(e):
+            raise
+        pytest.skip("this jax lowers the Pallas (Triton) calls for CUDA only with a GPU present")
+    assert targets == []
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -200,7 +201,11 @@ def recorded(tmp_path_factory):
     library = tmp_path_factory.mktemp("ffi") / "recording.so"
     build_lib.build_library(library, kernel_dir, recording=True)
     proc = subprocess.run(
-        [sys.executable, __file__, str(library)], capture_output=True, text=True, timeout=900
+        [sys.executable, __file__, str(library)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),  # the recording handlers are the CPU's
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.splitlines()[-1])

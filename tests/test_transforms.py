@@ -1,4 +1,9 @@
-"""Every op under jax.jit and jax.vmap (results checked against the oracle / unbatched calls)."""
+"""Every op under jax.jit and jax.vmap (results checked against the oracle / unbatched calls).
+
+The ops run their exact implementation ("xla"): the oracle checks use its tolerances, and
+implementation=None would pick the Pallas kernels on a Hopper GPU (their transforms are tested
+in test_pallas_*.py).
+"""
 
 import functools
 
@@ -10,6 +15,12 @@ import jax_sparse_mla as jsm
 from tests import cases as C
 from tests import oracle as O
 
+sparse_mla = functools.partial(jsm.sparse_mla, implementation="xla")
+mla_decode = functools.partial(jsm.mla_decode, implementation="xla")
+mla_decode_partials = functools.partial(jsm.mla_decode_partials, implementation="xla")
+merge_attn_states = functools.partial(jsm.merge_attn_states, implementation="xla")
+ultraquant_decode = functools.partial(jsm.ultraquant_decode, implementation="xla")
+
 
 def _stack(xs):
     return jnp.stack([jnp.asarray(x) for x in xs])
@@ -20,7 +31,7 @@ def test_sparse_mla_vmap_batched_and_shared_kv():
     # pad every case's idx to the same length (extra entries sit past indptr[-1]: unreached)
     nnz = max(len(c.idx) for c in cs)
     idx = _stack([np.pad(c.idx, (0, nnz - len(c.idx)), constant_values=5) for c in cs])
-    f = functools.partial(jsm.sparse_mla, return_lse=True)
+    f = functools.partial(sparse_mla, return_lse=True)
     out, lse = jax.jit(jax.vmap(f))(_stack([c.q for c in cs]), _stack([c.kv for c in cs]), idx,
                                     _stack([c.indptr for c in cs]))  # fmt: skip
     for i, c in enumerate(cs):
@@ -29,7 +40,7 @@ def test_sparse_mla_vmap_batched_and_shared_kv():
     # kv shared (in_axes None), q / idx / indptr batched; a NaN-free kv, since the other cases'
     # valid entries may reach rows that are NaN garbage in cs[0].kv
     kv = C.make_records(C.rng(99), len(cs[0].kv))
-    out = jax.vmap(jsm.sparse_mla, in_axes=(0, None, 0, 0))(
+    out = jax.vmap(sparse_mla, in_axes=(0, None, 0, 0))(
         _stack([c.q for c in cs]), jnp.asarray(kv), idx, _stack([c.indptr for c in cs])
     )
     for i, c in enumerate(cs):
@@ -42,7 +53,7 @@ def test_sparse_mla_vmap_sm_scale_and_jit_traced_scale():
     scales = jnp.float32([0.02, 0.1])
     out = jax.jit(
         jax.vmap(
-            lambda s: jsm.sparse_mla(
+            lambda s: sparse_mla(
                 c.q, jnp.asarray(c.kv), jnp.asarray(c.idx), jnp.asarray(c.indptr), sm_scale=s
             )
         )  # fmt: skip
@@ -63,7 +74,7 @@ def test_dense_to_csr_jit_vmap():
 def test_mla_decode_vmap():
     cs = [C.decode_case(s, seq_lens=(3, 150), qlen=2, h=2, n_nan=0) for s in range(2)]
     # same tokens count per case (n_nan=0, same seq_lens) so the caches stack
-    f = functools.partial(jsm.mla_decode, qlen=2, num_splits=2, return_lse=True,
+    f = functools.partial(mla_decode, qlen=2, num_splits=2, return_lse=True,
                           k_scale=cs[0].k_scale, v_scale=cs[0].v_scale)  # fmt: skip
     out, lse = jax.jit(jax.vmap(f))(
         _stack([c.q for c in cs]), _stack([c.kv for c in cs]),
@@ -81,7 +92,7 @@ def test_mla_decode_vmap_scales_shared_kv():
 
     def f(q, k):
         idx, ptr = jnp.asarray(c.kv_indices), jnp.asarray(c.kv_indptr)
-        return jsm.mla_decode(q, c.kv, idx, ptr, k_scale=k, v_scale=c.v_scale)
+        return mla_decode(q, c.kv, idx, ptr, k_scale=k, v_scale=c.v_scale)
 
     out = jax.jit(jax.vmap(f))(_stack([c.q, c.q * 2]), ks)
     for i, (qm, k) in enumerate([(1, 0.01), (2, 0.02)]):
@@ -93,7 +104,7 @@ def test_mla_decode_vmap_scales_shared_kv():
 
 def test_mla_decode_partials_and_merge_vmap():
     cs = [C.decode_case(s, seq_lens=(130, 300), qlen=1, h=2, n_nan=0) for s in range(2)]
-    f = functools.partial(jsm.mla_decode_partials, num_splits=3, k_scale=cs[0].k_scale,
+    f = functools.partial(mla_decode_partials, num_splits=3, k_scale=cs[0].k_scale,
                           v_scale=cs[0].v_scale)  # fmt: skip
     o_parts, lse_parts = jax.jit(jax.vmap(f))(
         _stack([c.q for c in cs]), _stack([c.kv for c in cs]),
@@ -108,10 +119,10 @@ def test_mla_decode_partials_and_merge_vmap():
         O.check_attention(o_parts[i].reshape(6, 2, 512), ref.reshape(6, 2, 512),
                           [x for x in st for _ in range(3)], lse_parts[i].reshape(6, 2),
                           ref_lse.reshape(6, 2))  # fmt: skip
-    merged = jax.jit(jax.vmap(functools.partial(jsm.merge_attn_states, return_lse=True)))
+    merged = jax.jit(jax.vmap(functools.partial(merge_attn_states, return_lse=True)))
     o, lse = merged(o_parts, lse_parts)
     for i in range(2):
-        o1, lse1 = jsm.merge_attn_states(o_parts[i], lse_parts[i], return_lse=True)
+        o1, lse1 = merge_attn_states(o_parts[i], lse_parts[i], return_lse=True)
         ref, ref_lse = O.merge_attn_states(o_parts[i], lse_parts[i])
         assert np.all(np.abs(O.to_f64(o[i]) - ref) <= 2.0**-8 * np.abs(ref) + 1e-6)
         np.testing.assert_allclose(np.asarray(lse[i]), ref_lse, rtol=1e-6)
@@ -121,7 +132,7 @@ def test_mla_decode_partials_and_merge_vmap():
 def test_ultraquant_decode_vmap():
     c = C.uq_case(4, seq_lens=(10, 40), hk=1, g=8, bs=16)
     qs = _stack([c.q, c.q * 0.5, -c.q])
-    f = functools.partial(jsm.ultraquant_decode, num_partitions=2)
+    f = functools.partial(ultraquant_decode, num_partitions=2)
     out = jax.jit(jax.vmap(f, in_axes=(0, None, None, None)))(
         qs, jnp.asarray(c.cache), jnp.asarray(c.block_tables), jnp.asarray(c.seq_lens)
     )
@@ -130,7 +141,7 @@ def test_ultraquant_decode_vmap():
         O.check_attention(out[i], ref, st, heads_per_entry=8, what=f"vmap {i}")
     # batched seq_lens
     sl = jnp.asarray(np.int32([[10, 40], [0, 17], [7, 1]]))  # within the written tokens
-    out = jax.jit(jax.vmap(jsm.ultraquant_decode, in_axes=(None, None, None, 0)))(
+    out = jax.jit(jax.vmap(ultraquant_decode, in_axes=(None, None, None, 0)))(
         c.q, jnp.asarray(c.cache), jnp.asarray(c.block_tables), sl
     )
     for i in range(3):

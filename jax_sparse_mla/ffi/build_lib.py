@@ -121,6 +121,8 @@ def build_library(
         table.write_text(kernel_table_source(kernels, kernel_dir))
         hip = "hip_record.cc" if recording else "hip_shim.cc"
         sources = [CSRC / s for s in (*HANDLER_SOURCES, hip)] + [table]
+        exports = Path(tmp) / "exports.map"  # only the handlers and the test hooks
+        exports.write_text("{ global: Jsm*; jsm_prepare_launch; jsm_record_take; local: *; };\n")
         partial = Path(tmp) / output.name
         cmd = [
             cxx or compiler(),
@@ -137,6 +139,7 @@ def build_library(
             "-o",
             str(partial),
             "-Wl,--no-undefined",
+            f"-Wl,--version-script={exports}",
             "-pthread",
             "-ldl",
         ]

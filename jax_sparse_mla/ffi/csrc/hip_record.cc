@@ -4,9 +4,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <cstdlib>
 #include <map>
 #include <mutex>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -14,49 +14,58 @@
 
 namespace {
 
+// No iostreams here: a static stream's locale set-up in this library crashed a later
+// `import jax` (jaxlib 0.11.2, glibc 2.39).
 std::mutex log_mutex;
-std::ostringstream log_json;  // comma-separated JSON objects
+std::string log_json;  // comma-separated JSON objects
 int current_device = 0;
 std::vector<int> module_devices;          // module handle - 1 -> device it was loaded on
 std::map<uintptr_t, std::string> names;   // function handle -> kernel name
 
 void Emit(const std::string& event) {
-  if (log_json.tellp() > 0) log_json << ",\n";
-  log_json << event;
+  if (!log_json.empty()) log_json += ",\n";
+  log_json += event;
+}
+
+// The next space-separated word of `text` from `*pos` (empty at the end).
+std::string NextWord(const char* text, size_t* pos) {
+  const std::string s(text);
+  const size_t start = s.find_first_not_of(' ', *pos);
+  if (start == std::string::npos) return "";
+  const size_t end = s.find(' ', start);
+  *pos = end == std::string::npos ? s.size() : end;
+  return s.substr(start, *pos - start);
 }
 
 // The handler's packed arguments: [name, kind, value] per ABI entry but the stream; pointers,
 // layouts and int32 as integers, f32 as its bit pattern (exact).
 std::string Packed(const jsm::Kernel& kernel, const jsm::LaunchArgs& args) {
-  std::ostringstream out;
-  std::istringstream abi(kernel.abi);
-  std::string entry;
-  out << "[";
-  for (size_t i = 0; abi >> entry; ++i) {
+  std::string out = "[";
+  size_t pos = 0;
+  for (size_t i = 0;; ++i) {
+    const std::string entry = NextWord(kernel.abi, &pos);
     const std::string name = entry.substr(0, entry.find(':'));
     const std::string kind = entry.substr(entry.find(':') + 1);
-    if (kind == "s") break;
+    if (entry.empty() || kind == "s") break;
     uint64_t bits = args.slot(i);
     if (kind != "p") bits &= 0xFFFFFFFFu;
-    out << (i ? ", " : "") << "[\"" << name << "\", \"" << kind << "\", " << bits << "]";
+    out += (i ? ", [\"" : "[\"") + name + "\", \"" + kind + "\", " + std::to_string(bits) + "]";
   }
-  out << "]";
-  return out.str();
+  return out + "]";
 }
 
 // What the GPU kernel receives: each kernelParams entry's bytes as an unsigned integer.
 std::string KernelArgs(const jsm::Kernel& kernel, void** params) {
-  std::ostringstream out;
-  std::istringstream sizes(kernel.kernel_args);
-  size_t size = 0;
-  out << "[";
-  for (size_t i = 0; sizes >> size; ++i) {
+  std::string out = "[";
+  size_t pos = 0;
+  for (size_t i = 0;; ++i) {
+    const std::string size = NextWord(kernel.kernel_args, &pos);
+    if (size.empty()) break;
     uint64_t bits = 0;
-    std::memcpy(&bits, params[i], size);
-    out << (i ? ", " : "") << bits;
+    std::memcpy(&bits, params[i], std::strtoul(size.c_str(), nullptr, 10));
+    out += (i ? ", " : "") + std::to_string(bits);
   }
-  out << "]";
-  return out.str();
+  return out + "]";
 }
 
 }  // namespace
@@ -90,15 +99,16 @@ __attribute__((visibility("hidden"))) int hipModuleLaunchKernel(
   std::lock_guard<std::mutex> lock(log_mutex);
   const jsm::Kernel* kernel = jsm::launching.kernel;
   if (kernel == nullptr) return 1;  // hipErrorInvalidValue: not launched through jsm::Launch
-  std::ostringstream event;
-  event << "{\"event\": \"launch\", \"kernel\": \"" << kernel->symbol << "\", \"function\": \""
-        << names[reinterpret_cast<uintptr_t>(function)] << "\", \"device\": "
-        << module_devices[(reinterpret_cast<uintptr_t>(function) >> 16) - 1] << ", \"grid\": ["
-        << gx << ", " << gy << ", " << gz << "], \"block\": [" << bx << ", " << by << ", " << bz
-        << "], \"shared\": " << shared << ", \"stream\": " << reinterpret_cast<uintptr_t>(stream)
-        << ", \"packed\": " << Packed(*kernel, *jsm::launching.args)
-        << ", \"kernel_args\": " << KernelArgs(*kernel, params) << "}";
-  Emit(event.str());
+  const auto u = [](uint64_t v) { return std::to_string(v); };
+  const uintptr_t handle = reinterpret_cast<uintptr_t>(function);
+  Emit("{\"event\": \"launch\", \"kernel\": \"" + std::string(kernel->symbol) +
+       "\", \"function\": \"" + names[handle] + "\", \"device\": " +
+       u(module_devices[(handle >> 16) - 1]) + ", \"grid\": [" + u(gx) + ", " + u(gy) + ", " +
+       u(gz) + "], \"block\": [" + u(bx) + ", " + u(by) + ", " + u(bz) +
+       "], \"shared\": " + u(shared) + ", \"stream\": " +
+       u(reinterpret_cast<uintptr_t>(stream)) +
+       ", \"packed\": " + Packed(*kernel, *jsm::launching.args) +
+       ", \"kernel_args\": " + KernelArgs(*kernel, params) + "}");
   return 0;
 }
 
@@ -119,10 +129,9 @@ __attribute__((visibility("hidden"))) const char* hipGetErrorName(int) { return 
 // the length it needs, so a caller with too small a buffer can retry.
 __attribute__((visibility("default"))) size_t jsm_record_take(char* buffer, size_t capacity) {
   std::lock_guard<std::mutex> lock(log_mutex);
-  const std::string text = "[" + log_json.str() + "]";
+  const std::string text = "[" + log_json + "]";
   if (text.size() < capacity) {
     std::memcpy(buffer, text.c_str(), text.size() + 1);
-    log_json.str("");
     log_json.clear();
   }
   return text.size() + 1;
