@@ -7,6 +7,8 @@ import functools
 import jax
 import pytest
 
+from jax_sparse_mla.ffi import is_gfx950
+
 
 @functools.cache
 def _platforms() -> frozenset:
@@ -17,8 +19,7 @@ def _platforms() -> frozenset:
         except RuntimeError:
             continue
         found.add(name)
-        if name == "rocm" and any("gfx950" in str(getattr(d, "compute_capability", ""))
-                                  or "MI355" in d.device_kind for d in devices):  # fmt: skip
+        if name == "rocm" and any(is_gfx950(d) for d in devices):
             found.add("gfx950")
     return frozenset(found)
 
