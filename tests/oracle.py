@@ -519,6 +519,20 @@ def stats_atol(stats, shape, heads_per_entry=None):
     return n_keys, vmax, sabs
 
 
+def assert_within(out, ref, tol, what="") -> float:
+    """Asserts out (finite) within ``tol`` of ``ref`` elementwise; returns the worst err / tol."""
+    out, ref = to_f64(out), np.asarray(ref, np.float64)
+    assert np.all(np.isfinite(out)), f"{what}: non-finite output"
+    err = np.abs(out - ref)
+    bad = np.argwhere(err > tol)
+    ratio = float(np.max(err / np.maximum(tol, 1e-300), initial=0.0))
+    assert bad.size == 0, (
+        f"{what}: {len(bad)} elements out of bound (worst ratio {ratio:.3g}); first "
+        + str([(tuple(i), out[tuple(i)], ref[tuple(i)], tol[tuple(i)]) for i in bad[:3]])
+    )
+    return ratio
+
+
 def check_attention(out, ref, stats, lse=None, ref_lse=None, heads_per_entry=None, what=""):
     """Asserts a library attention output (bf16) against the float64 oracle.
 

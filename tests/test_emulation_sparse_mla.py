@@ -223,16 +223,15 @@ def test_heads(h):
     print(f"H={h}: worst ratio {check_case(case, f'H={h}'):.3g}")
 
 
-def test_masking_empty_rows_and_nan_records():
-    """Empty rows, all-masked rows, out-of-range entries (never clamped onto a NaN record),
-    duplicates, NaN garbage in record 0 behind masked keys, unusual indptr."""
+def masking_case(h: int) -> C.SparseCase:
+    """Empty rows, all-masked rows (-1; >= rows, 2^31 - 1, -2^31), duplicates, NaN records
+    (0, 13, 14) behind masked entries only; rows 0-2 have no key."""
     r = C.rng(4)
     kv = C.make_records(r, 15, nan_rows=[0, 13, 14])
-    big = 2**31 - 1
     rows = [
         [],
         [-1, -1],
-        [15, 16, big, -(2**31), -2],
+        [15, 16, 2**31 - 1, -(2**31), -2],
         [12],
         [3, 3, 3, 5],
         [5, -1, 15, 3, 3, -5],
@@ -240,15 +239,25 @@ def test_masking_empty_rows_and_nan_records():
     ]
     idx = np.int32([e for row in rows for e in row])
     indptr = np.int32(np.cumsum([0] + [len(row) for row in rows]))
-    case = padded(C.SparseCase(C.bf16_normal(r, (len(rows), 16, 576)), kv, idx, indptr))
-    check_case(case, "masking")
-    out, lse = run(case)
-    assert np.all(out[:3] == 0) and np.all(np.isneginf(lse[:3]))
-    # unusual indptr: decreasing (empty), negative start, past nnz (masked positions)
+    return C.SparseCase(C.bf16_normal(r, (len(rows), h, 576)), kv, idx, indptr)
+
+
+def unusual_indptr_case() -> C.SparseCase:
+    """indptr decreasing (an empty row), negative at the start, past nnz (masked positions)."""
     case = C.sparse_case(5, n_q=5, h=16, n_rec=30, min_len=4)
     nnz = len(case.idx)
     case.indptr = np.int32([-3, 5, 3, 7, nnz, nnz + 9])
-    check_case(padded(case), "indptr")
+    return case
+
+
+def test_masking_empty_rows_and_nan_records():
+    """Empty rows, all-masked rows, out-of-range entries (never clamped onto a NaN record),
+    duplicates, NaN garbage in record 0 behind masked keys, unusual indptr."""
+    case = padded(masking_case(16))
+    check_case(case, "masking")
+    out, lse = run(case)
+    assert np.all(out[:3] == 0) and np.all(np.isneginf(lse[:3]))
+    check_case(padded(unusual_indptr_case()), "indptr")
 
 
 def test_referenced_nan_record_propagates():

@@ -78,19 +78,6 @@ def assert_same(a, b, what=""):
     np.testing.assert_array_equal(a, b, err_msg=what)
 
 
-def assert_within(out, ref, tol, what=""):
-    out, ref = f64(out), np.asarray(ref, np.float64)
-    assert np.all(np.isfinite(out)), f"{what}: non-finite output"
-    err = np.abs(out - ref)
-    bad = np.argwhere(err > tol)
-    ratio = float(np.max(err / np.maximum(tol, 1e-300), initial=0.0))
-    assert bad.size == 0, (
-        f"{what}: {len(bad)} elements out of bound (worst ratio {ratio:.3g}); first "
-        + str([(tuple(i), out[tuple(i)], ref[tuple(i)], tol[tuple(i)]) for i in bad[:3]])
-    )
-    return ratio
-
-
 # =============================================================================================
 # sparse_mla
 # =============================================================================================
@@ -143,33 +130,6 @@ def check_sparse(case, out, lse, what):
     SE.check(out, lse, *SE.expected(case), f"{what} vs oracle")
 
 
-def masking_case(h=20):
-    """Empty rows, all-masked rows (-1; >= rows, 2^31 - 1, -2^31), duplicates, NaN records
-    (0, 13, 14) behind masked entries only (as test_emulation_sparse_mla's masking test)."""
-    r = C.rng(4)
-    kv = C.make_records(r, 15, nan_rows=[0, 13, 14])
-    rows = [
-        [],
-        [-1, -1],
-        [15, 16, 2**31 - 1, -(2**31), -2],
-        [12],
-        [3, 3, 3, 5],
-        [5, -1, 15, 3, 3, -5],
-        list(range(1, 13)),
-    ]
-    idx = np.int32([e for row in rows for e in row])
-    indptr = np.int32(np.cumsum([0] + [len(row) for row in rows]))
-    return C.SparseCase(C.bf16_normal(r, (len(rows), h, 576)), kv, idx, indptr)
-
-
-def unusual_indptr_case():
-    """indptr decreasing (an empty row), negative at the start, past nnz (masked positions)."""
-    case = C.sparse_case(5, n_q=5, h=16, n_rec=30, min_len=4)
-    nnz = len(case.idx)
-    case.indptr = np.int32([-3, 5, 3, 7, nnz, nnz + 9])
-    return case
-
-
 LONG_ROWS = {0: 1, 1: 5000, 2: 4096, 3: 4097, 4: 129}  # row -> keys (40 tiles of 128)
 SPARSE_CASES = {
     # random CSR rows: empty rows, -1 padding, out-of-range entries, duplicates, NaN records
@@ -180,8 +140,8 @@ SPARSE_CASES = {
         )
         for h in (1, 12, 16, 20, 128)
     },
-    "masking_h20": masking_case,
-    "unusual_indptr": unusual_indptr_case,
+    "masking_h20": functools.partial(SE.masking_case, 20),
+    "unusual_indptr": SE.unusual_indptr_case,
     "long_rows": functools.partial(
         C.sparse_case, 7, n_q=6, h=16, n_rec=300, max_len=8, long_rows=LONG_ROWS
     ),
@@ -485,7 +445,7 @@ def check_uq(case, num_partitions, out, what):
     ref = UE.oracle_on(q8, case)
     out_e = run_uq(case, num_partitions, EMU)
     tol = uq_kernel_bound(case, q8, ref, out_e, num_partitions)
-    assert_within(out, f64(out_e), tol, f"{what} vs emu")
+    O.assert_within(out, f64(out_e), tol, f"{what} vs emu")
     assert np.all(f64(out)[ref.empty] == 0), f"{what}: rows without keys must be 0"
     UE.check(out, ref, num_partitions, what=f"{what} vs oracle")
     return ref
@@ -649,7 +609,7 @@ def test_ultraquant_cache_over_4gib():
     n_keys, vmax, sabs = O.stats_atol(st, exact.shape[:2], heads_per_entry=8)
     xtol = 2.0**-8 * np.abs(exact) + O.attn_atol(n_keys, vmax, sabs)[..., None]
     tol = UE.bound(r.out, r.a, r.atol, num_partitions) + np.abs(r.out - exact) + xtol
-    assert_within(out, f64(xo), tol, "big vs xla")
+    O.assert_within(out, f64(xo), tol, "big vs xla")
 
 
 # =============================================================================================
