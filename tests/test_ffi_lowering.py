@@ -244,7 +244,7 @@ class FakeDevice:
 @pytest.fixture
 def rocm_devices(monkeypatch):
     def use(*devices):
-        monkeypatch.setattr(ffi, "_rocm_devices", lambda: list(devices))
+        monkeypatch.setattr(ffi, "rocm_devices", lambda: list(devices))
         ffi.flydsl_available.cache_clear()
 
     yield use
@@ -260,13 +260,20 @@ def test_non_gfx950_rocm_device_warns_once_and_falls_back(rocm_devices):
         assert jsm_targets(jsm.sparse_mla, *sparse_args(), platform="rocm") == []
 
 
-def test_gfx950_device_picks_the_kernels(rocm_devices, monkeypatch):
-    rocm_devices(FakeDevice("AMD Instinct MI355X", "gfx950"))
+def test_gfx950_device_picks_the_kernels(rocm_devices):
     if ffi.rocm_library() is None:
-        with pytest.warns(UserWarning, match="FFI library is not built"):
-            assert jsm_targets(jsm.sparse_mla, *sparse_args(), platform="rocm") == []
-    else:
-        assert jsm_targets(jsm.sparse_mla, *sparse_args(), platform="rocm") == ["jsm_sparse_mla"]
+        pytest.skip("the FFI library is not built")
+    rocm_devices(FakeDevice("AMD Instinct MI355X", "gfx950"))
+    assert jsm_targets(jsm.sparse_mla, *sparse_args(), platform="rocm") == ["jsm_sparse_mla"]
+
+
+def test_gfx950_without_the_library_falls_back_or_says_so(rocm_devices, monkeypatch):
+    rocm_devices(FakeDevice("AMD Instinct MI355X", "gfx950"))
+    monkeypatch.setattr(ffi, "rocm_library", lambda: None)
+    with pytest.warns(UserWarning, match="FFI library is not built"):
+        assert jsm_targets(jsm.sparse_mla, *sparse_args(), platform="rocm") == []
+    with pytest.raises(RuntimeError, match="'flydsl' needs the FFI library"):
+        jsm.sparse_mla(*sparse_args(), implementation="flydsl")
 
 
 # ---------------------------------------------------------------------------------------------

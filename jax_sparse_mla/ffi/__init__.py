@@ -58,7 +58,7 @@ def rocm_library() -> ctypes.CDLL | None:
     return library
 
 
-def _rocm_devices() -> list:
+def rocm_devices() -> list:
     try:
         return jax.devices("rocm")
     except RuntimeError:  # no ROCm backend in this process (e.g. lowering for ROCm from a CPU host)
@@ -79,7 +79,7 @@ def flydsl_available() -> bool:
     assumed to be an MI355. With ROCm devices, all of them must be gfx950 and the FFI library
     must be built; otherwise a one-time warning says why the jax-native implementation runs.
     """
-    devices = _rocm_devices()
+    devices = rocm_devices()
     if not devices:
         return True
     other = sorted({d.device_kind for d in devices if not is_gfx950(d)})

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sparse_mla.ffi import flydsl_available
+from jax_sparse_mla import ffi
 from jax_sparse_mla.formats import LATENT_DIM, RECORD_BYTES, UQ_HEAD_DIM
 
 KERNEL_QLENS = (1, 2, 4)
@@ -31,6 +31,11 @@ _UQ_WORKGROUPS_PER_CU = 12
 
 
 def _call(target: str, results, *args, **attrs):
+    if ffi.rocm_devices() and ffi.rocm_library() is None:
+        raise RuntimeError(
+            "jax_sparse_mla: implementation='flydsl' needs the FFI library, which is not built "
+            "(pip install with a C++ compiler, see BUILD.md)"
+        )
     return jax.ffi.ffi_call(target, results, vmap_method="sequential")(*args, **attrs)
 
 
@@ -58,7 +63,7 @@ def gfx950_or(kernel_fn: Callable, fallback: Callable, unsupported: Callable) ->
     ``unsupported(*args, **options)`` is None, else ``fallback``; decided at trace time."""
 
     def run(*args, **options):
-        if flydsl_available() and unsupported(*args, **options) is None:
+        if ffi.flydsl_available() and unsupported(*args, **options) is None:
             return kernel_fn(*args, **options)
         return fallback(*args, **options)
 

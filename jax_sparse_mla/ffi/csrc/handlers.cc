@@ -149,7 +149,7 @@ Error SparseMla(void* stream, int32_t device, AnyBuffer q, AnyBuffer kv, AnyBuff
   }
   const int64_t nnz = idx.dimensions()[0];
   JSM_CHECK(Limit(T, "n_q", n_q, kInt32Max));
-  JSM_CHECK(Limit(T, "nnz", nnz, kInt32Max));
+  JSM_CHECK(Limit(T, "nnz", nnz, (int64_t{1} << 30) - 1));  // a row holds < 2^30 entries
   JSM_CHECK(Limit(T, "q elements per row", heads * kKvDim, kInt32Max));
   const int64_t kv_rows = std::min(kv.dimensions()[0], kInt32Max);  // idx cannot reach further
   for (int64_t h0 = 0; h0 < heads && n_q > 0; h0 += kSparseMaxHeads) {
@@ -202,7 +202,9 @@ Error MlaDecodePartials(void* stream, int32_t device, AnyBuffer q, AnyBuffer kv,
                    Shape({r, std::to_string(splits), std::to_string(heads)})));
   const int64_t n_indices = kv_indices.dimensions()[0];
   JSM_CHECK(Limit(T, "kv_indices length", n_indices, (int64_t{1} << 29) - 1));
-  JSM_CHECK(Limit(T, "B * num_splits", batch * splits, kInt32Max / 64));
+  const int64_t head_groups = (heads * qlen + 15) / 16;  // 16 query rows per CTA
+  JSM_CHECK(Limit(T, "the grid (8 * head groups * ceil(B * S / 8) CTAs)",
+                  8 * head_groups * ((batch * splits + 7) / 8), kInt32Max));
   if (batch == 0 || heads == 0 || splits == 0) return Error::Success();
   LaunchArgs args;
   args.Tensor("Q", q.untyped_data(), q.element_count())
