@@ -128,6 +128,9 @@ def bad_calls():
         "partials_q_rows": ("jsm_mla_decode_partials", partials_ok,
                             out(((4, 2, 16, 512), bf), ((4, 2, 16), f32)),
                             dict(qlen=np.int32(1), **scales)),
+        "partials_indptr": ("jsm_mla_decode_partials", [*partials_ok[:3], z((0,), s32)],
+                            out(((4, 2, 16, 512), bf), ((4, 2, 16), f32)),
+                            dict(qlen=np.int32(1), **scales)),
         "combine_lse": ("jsm_mla_decode_combine", [z((3, 2, 4, 512), bf), z((3, 2, 5), f32)],
                         out(((3, 4, 512), bf), ((3, 4), f32)), {}),
         "uq_block_size": ("jsm_ultraquant_partials",
@@ -393,6 +396,7 @@ EXPECTED_ERRORS = {
     "got 3",
     "partials_q_rows": "jsm_mla_decode_partials: q must be bf16[B * qlen = 2, H, 576], "
     "got bf16[4, 16, 576]",
+    "partials_indptr": "jsm_mla_decode_partials: kv_indptr must hold B + 1 >= 1 entries",
     "combine_lse": "jsm_mla_decode_combine: lse_parts must be f32[3, 2, 4], got f32[3, 2, 5]",
     "uq_block_size": "jsm_ultraquant_partials: cache block_size must be 16, 32, 64, 128 or 256 "
     "(the compiled kernels), got 48",

@@ -187,6 +187,9 @@ Error MlaDecodePartials(void* stream, int32_t device, AnyBuffer q, AnyBuffer kv,
                                   "kernels), got " + std::to_string(qlen));
   }
   JSM_CHECK(Expect(T, "kv_indptr", kv_indptr, DataType::S32, {-1}, "[B + 1]"));
+  if (kv_indptr.dimensions()[0] == 0) {
+    return Error::InvalidArgument(std::string(T) + ": kv_indptr must hold B + 1 >= 1 entries");
+  }
   const int64_t batch = kv_indptr.dimensions()[0] - 1;
   const int64_t rows = batch * qlen;
   const auto r = std::to_string(rows);
