@@ -46,7 +46,7 @@ from jax_sparse_mla.codeobject import (
 )
 
 ARCHS = ("gfx950",)
-KERNEL_MODULES = ("sparse_mla", "mla_decode", "ultraquant")
+KERNEL_MODULES = ("sparse_mla", "mla_decode", "ultraquant", "probe")
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
 

@@ -8,6 +8,7 @@ types and f32 attributes; CPU and CUDA lowerings must hold none of them.
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import functools
 import re
 import warnings
@@ -144,6 +145,19 @@ def test_ultraquant_lowers_to_partials_and_reduce(implementation, g, kernel_g):
     assert partials[3] == [f"{parts}x256xbf16>", f"{parts}xf32>", f"{parts}xf32>"]
     assert reduce[0] == "jsm_ultraquant_reduce" and reduce[2] == partials[3]
     assert reduce[3] == [f"tensor<2x{2 * kernel_g}x256xbf16>"]
+
+
+@pytest.mark.parametrize("a_format", [0, 4])
+def test_mfma_probe_lowers_to_its_custom_call(a_format):
+    from jax_sparse_mla.ffi.calls import mfma_probe
+
+    args = (jnp.zeros((64, 32), jnp.uint8), jnp.zeros((64, 32), jnp.uint8),
+            jnp.zeros((64, 2), jnp.int32))  # fmt: skip
+    fn = functools.partial(mfma_probe, a_format=a_format)
+    ((target, attrs, operands, results),) = custom_calls(fn, *args)
+    assert (target, attrs) == ("jsm_mfma_probe", f"a_format = {a_format} : i32")
+    assert operands == ["tensor<64x32xui8>", "tensor<64x32xui8>", "tensor<64x2xi32>"]
+    assert results == ["tensor<64x4xf32>"]
 
 
 CALLS = {
@@ -306,6 +320,19 @@ def test_library_loads_without_rocm_and_says_why_it_cannot_launch():
         "jax_sparse_mla: cannot launch the gfx950 kernel jsm_mla_decode_combine: the ROCm "
         'runtime is unavailable (dlopen("libamdhip64.so") failed: libamdhip64.so: cannot open'
     )
+
+
+def test_stale_library_warns_and_is_not_used(monkeypatch):
+    """A library from an older version (here: libc, which has none of the handlers)."""
+    monkeypatch.setenv("JAX_SPARSE_MLA_FFI_LIBRARY", ctypes.util.find_library("c"))
+    ffi.rocm_library.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="predates this version.*JsmSparseMla"):
+            assert ffi.rocm_library() is None
+    finally:
+        monkeypatch.delenv("JAX_SPARSE_MLA_FFI_LIBRARY")
+        ffi.rocm_library.cache_clear()
+        ffi.rocm_library()  # the installed one again
 
 
 def test_library_without_a_kernel_names_the_build_command(tmp_path):

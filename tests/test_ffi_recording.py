@@ -14,6 +14,7 @@ gfx950``) and a C++ compiler.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import math
 import os
@@ -83,7 +84,19 @@ def scenarios():
         )
         return fn, args
 
+    def probe(a_format):
+        from jax_sparse_mla.ffi.calls import mfma_probe
+
+        args = dict(
+            a=jnp.zeros((64, 32), jnp.uint8),
+            b=jnp.zeros((64, 32), jnp.uint8),
+            scales=jnp.full((64, 2), 127, jnp.int32),
+        )
+        return jax.jit(functools.partial(mfma_probe, a_format=a_format)), args
+
     return {
+        "probe_f0": lambda: probe(0),
+        "probe_f4": lambda: probe(4),
         "sparse_h20_lse": lambda: sparse(3, 20, 10, 7, True),
         "sparse_h1": lambda: sparse(2, 1, 10, 7, False),
         "sparse_empty": lambda: sparse(0, 4, 10, 7, True),
@@ -140,6 +153,10 @@ def bad_calls():
                      dict(sm_scale=np.float32(1))),
         "uq_slot": ("jsm_ultraquant_partials", [uq_ok[0], z((4, 16, 2, 270), u8), *uq_ok[2:]],
                     uq_parts, dict(sm_scale=np.float32(1))),
+        "probe_format": ("jsm_mfma_probe", [z((64, 32), u8), z((64, 32), u8), z((64, 2), s32)],
+                         out(((64, 4), f32)), dict(a_format=np.int32(2))),
+        "probe_scales": ("jsm_mfma_probe", [z((64, 32), u8), z((64, 32), u8), z((64,), s32)],
+                         out(((64, 4), f32)), dict(a_format=np.int32(0))),
         "reduce_out": ("jsm_ultraquant_reduce", [z((2, 2, 1, 8, 256), bf), z((2, 2, 1, 8), f32),
                                                  z((2, 2, 1, 8), f32)],
                        out(((2, 8, 256), bf)), {}),
@@ -293,7 +310,7 @@ def test_code_objects_load_once_per_device(recorded):
             else:
                 assert event["kernel"] in loaded
         assert [e["event"] for e in r["again"]] == ["launch"] * len(launches(r["events"]))
-    assert len(loaded) == 9
+    assert len(loaded) == 11
 
 
 def test_cache_over_4_gib(recorded):
@@ -387,6 +404,22 @@ def test_ultraquant_partials_then_reduce(recorded, name, g, kernel_g, block_size
     assert red["kernel_args"] == [v for n, _, v in red["packed"] if n != "num_seqs"]
 
 
+@pytest.mark.parametrize("a_format", [0, 4])
+def test_mfma_probe_launches_one_wave(recorded, a_format):
+    r = recorded[f"probe_f{a_format}"]
+    (event,) = launches(r["events"])
+    check_launch(event, f"jsm_mfma_probe_f{a_format}", (1, 1, 1), (64, 1, 1))
+    a = packed(event)
+    for name in ("a", "b", "scales"):
+        arg = {"a": "A", "b": "B", "scales": "S"}[name]
+        assert (a[f"{arg}:p"], a[f"{arg}:L1"]) == (
+            r["pointers"][name],
+            64 * (2 if arg == "S" else 32),
+        )
+    assert a["C:L1"] == 64 * 4
+    assert event["kernel_args"] == [v for _, _, v in event["packed"]]
+
+
 EXPECTED_ERRORS = {
     "sparse_q_dtype": "jsm_sparse_mla: q must be bf16[n_q, H, 576], got f32[2, 4, 576]",
     "sparse_indptr": "jsm_sparse_mla: indptr must be s32[2 + 1], got s32[2]",
@@ -404,6 +437,8 @@ EXPECTED_ERRORS = {
     "got Hq = 10, Hk = 2",
     "uq_slot": "jsm_ultraquant_partials: cache slot_bytes must be >= 272 and a multiple of 4, "
     "got 270",
+    "probe_format": "jsm_mfma_probe: a_format must be 0 (e4m3) or 4 (e2m1), got 2",
+    "probe_scales": "jsm_mfma_probe: scales must be s32[64 lanes, 2], got s32[64]",
     "reduce_out": "jsm_ultraquant_reduce: out must be bf16[2, 16, 256], got bf16[2, 8, 256]",
 }
 

@@ -25,6 +25,7 @@ TARGETS = {
     "jsm_mla_decode_combine": "JsmMlaDecodeCombine",
     "jsm_ultraquant_partials": "JsmUltraquantPartials",
     "jsm_ultraquant_reduce": "JsmUltraquantReduce",
+    "jsm_mfma_probe": "JsmMfmaProbe",  # diagnostic: one MFMA (kernels/gfx950/probe.py)
 }
 LIBRARY_NAME = "_jsm_ffi"
 _HERE = Path(__file__).resolve().parent
@@ -54,6 +55,16 @@ def rocm_library() -> ctypes.CDLL | None:
     if path is None:
         return None
     library = ctypes.CDLL(str(path))
+    missing = [symbol for symbol in TARGETS.values() if not hasattr(library, symbol)]
+    if missing:
+        warnings.warn(
+            f"jax_sparse_mla: the FFI library {path} predates this version "
+            f"(no {', '.join(missing)}): rebuild it (pip install -e ., or "
+            "python -m jax_sparse_mla.build --arch gfx950 --link); until then the FlyDSL "
+            "kernels are unavailable",
+            stacklevel=2,
+        )
+        return None
     register_targets(library, "ROCM")
     return library
 

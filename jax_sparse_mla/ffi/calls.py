@@ -247,3 +247,19 @@ def ultraquant_decode_flydsl(q, cache, block_tables, seq_lens, *, sm_scale, num_
     if kg != g:
         out = out.reshape(batch, hk, kg, UQ_HEAD_DIM)[:, :, :g].reshape(batch, hq, UQ_HEAD_DIM)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Diagnostic: one scaled MFMA 16x16x128 (kernels/gfx950/probe.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def mfma_probe(a, b, scales, *, a_format: int):
+    """One ``v_mfma_scale_f32_16x16x128_f8f6f4`` on per-lane registers, for layout tests.
+
+    a, b: [64, 32] uint8 (lane l's A / B operand bytes; A e4m3 with ``a_format`` 0, e2m1 in
+    bytes 0-15 with 4); scales: [64, 2] int32 (lane l's E8M0 scale_a, scale_b) ->
+    [64, 4] float32 (lane l's accumulator).
+    """
+    result = [jax.ShapeDtypeStruct((64, 4), jnp.float32)]
+    return _call("jsm_mfma_probe", result, a, b, scales, a_format=np.int32(a_format))[0]

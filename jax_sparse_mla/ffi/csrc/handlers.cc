@@ -1,7 +1,7 @@
 // XLA FFI handlers of the gfx950 kernels: check the buffers XLA passes, pack FlyDSL's launch
 // arguments and launch on XLA's stream. One handler per custom call target:
 //   jsm_sparse_mla, jsm_mla_decode_partials, jsm_mla_decode_combine,
-//   jsm_ultraquant_partials, jsm_ultraquant_reduce.
+//   jsm_ultraquant_partials, jsm_ultraquant_reduce; and the diagnostic jsm_mfma_probe.
 // The argument orders and preconditions are those of jax_sparse_mla/kernels/gfx950/*.py.
 #include <algorithm>
 #include <cstdint>
@@ -349,6 +349,30 @@ Error UltraquantReduce(void* stream, int32_t device, AnyBuffer out_parts, AnyBuf
   return Launch("jsm_ultraquant_reduce", args, device);
 }
 
+// ------------------------------------------------------------------------------------------
+// The diagnostic probe: one scaled MFMA on per-lane operand registers (kernels/gfx950/probe.py).
+// ------------------------------------------------------------------------------------------
+
+Error MfmaProbe(void* stream, int32_t device, AnyBuffer a, AnyBuffer b, AnyBuffer scales,
+                ffi::Result<AnyBuffer> c, int32_t a_format) {
+  constexpr const char* T = "jsm_mfma_probe";
+  if (a_format != 0 && a_format != 4) {
+    return Error::InvalidArgument(std::string(T) + ": a_format must be 0 (e4m3) or 4 (e2m1), got " +
+                                  std::to_string(a_format));
+  }
+  JSM_CHECK(Expect(T, "a", a, DataType::U8, {64, 32}, "[64 lanes, 32 bytes]"));
+  JSM_CHECK(Expect(T, "b", b, DataType::U8, {64, 32}, "[64 lanes, 32 bytes]"));
+  JSM_CHECK(Expect(T, "scales", scales, DataType::S32, {64, 2}, "[64 lanes, 2]"));
+  JSM_CHECK(Expect(T, "c", *c, DataType::F32, {64, 4}, "[64 lanes, 4]"));
+  LaunchArgs args;
+  args.Tensor("A", a.untyped_data(), a.element_count())
+      .Tensor("B", b.untyped_data(), b.element_count())
+      .Tensor("S", scales.untyped_data(), scales.element_count())
+      .Tensor("C", c->untyped_data(), c->element_count())
+      .Stream(stream);
+  return Launch("jsm_mfma_probe_f" + std::to_string(a_format), args, device);
+}
+
 }  // namespace
 }  // namespace jsm
 
@@ -403,5 +427,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmUltraquantReduce, jsm::UltraquantReduce,
                                   .Arg<AnyBuffer>()
                                   .Arg<AnyBuffer>()
                                   .Ret<AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmMfmaProbe, jsm::MfmaProbe,
+                              JSM_BIND.Arg<AnyBuffer>()
+                                  .Arg<AnyBuffer>()
+                                  .Arg<AnyBuffer>()
+                                  .Ret<AnyBuffer>()
+                                  .Attr<int32_t>("a_format"));
 
 #pragma GCC visibility pop
