@@ -410,12 +410,8 @@ def test_mfma_probe_launches_one_wave(recorded, a_format):
     (event,) = launches(r["events"])
     check_launch(event, f"jsm_mfma_probe_f{a_format}", (1, 1, 1), (64, 1, 1))
     a = packed(event)
-    for name in ("a", "b", "scales"):
-        arg = {"a": "A", "b": "B", "scales": "S"}[name]
-        assert (a[f"{arg}:p"], a[f"{arg}:L1"]) == (
-            r["pointers"][name],
-            64 * (2 if arg == "S" else 32),
-        )
+    for name, arg, elements in (("a", "A", 64 * 32), ("b", "B", 64 * 32), ("scales", "S", 128)):
+        assert (a[f"{arg}:p"], a[f"{arg}:L1"]) == (r["pointers"][name], elements)
     assert a["C:L1"] == 64 * 4
     assert event["kernel_args"] == [v for _, _, v in event["packed"]]
 

@@ -79,6 +79,107 @@ def assert_same(a, b, what=""):
 
 
 # =============================================================================================
+# The scaled MFMA's operand layouts, as the kernels assume them (read these first on a failure)
+# =============================================================================================
+
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+SMALL_E4M3 = [-4, -3, -2, -1.5, -1, -0.5, 0, 0.5, 1, 1.5, 2, 3, 4]  # exact sums in f32
+
+
+def e4m3_codes(r, shape) -> np.ndarray:
+    values = r.choice(SMALL_E4M3, size=shape).astype(np.float32)
+    return np.asarray(jnp.asarray(values, jnp.float8_e4m3fn).view(jnp.uint8))
+
+
+def e4m3_values(codes) -> np.ndarray:
+    return f64(jnp.asarray(codes, jnp.uint8).view(jnp.float8_e4m3fn).astype(jnp.float32))
+
+
+def per_lane(fn) -> np.ndarray:
+    """[64, ...] stacked ``fn(g, i)`` for lane 16 g + i (g: lane group, i: row / column)."""
+    return np.stack([fn(lane >> 4, lane & 15) for lane in range(64)])
+
+
+def split_k_registers(codes) -> np.ndarray:
+    """Seed 000's 8-bit operand (sparse_mla, mla_decode): lane 16g + i holds row i's K
+    [16g, 16g + 16) in bytes 0-15 and [64 + 16g, 64 + 16g + 16) in bytes 16-31."""
+    return per_lane(lambda g, i: np.concatenate([codes[i, 16 * g : 16 * g + 16],
+                                                 codes[i, 64 + 16 * g : 80 + 16 * g]]))  # fmt: skip
+
+
+def contiguous_k_registers(codes) -> np.ndarray:
+    """Seed 002's e4m3 operand (ultraquant's B): lane 16g + i holds row i's K [32g, 32g + 32)."""
+    return per_lane(lambda g, i: codes[i, 32 * g : 32 * g + 32])
+
+
+def contiguous_k_nibble_registers(nibbles) -> np.ndarray:
+    """Seed 002's e2m1 operand (ultraquant's A): lane 16g + i holds row i's K [32g, 32g + 32)
+    two per byte (element 2t in the low nibble) in bytes 0-15."""
+    packed = per_lane(lambda g, i: nibbles[i, 32 * g : 32 * g + 32 : 2]
+                      | (nibbles[i, 32 * g + 1 : 32 * g + 32 : 2] << 4))  # fmt: skip
+    return np.pad(packed, ((0, 0), (0, 16))).astype(np.uint8)
+
+
+def scale_registers(sa, sb) -> np.ndarray:
+    """Lane 16g + i holds the E8M0 scale of K group g (K // 32) of A's row i and B's column i."""
+    return per_lane(lambda g, i: np.int32([sa[i, g], sb[i, g]]))
+
+
+def mfma_expected(a, b, sa, sb) -> np.ndarray:
+    """C[i, j] = sum_k a[i, k] 2^(sa[i, k // 32] - 127) b[j, k] 2^(sb[j, k // 32] - 127)."""
+    wa = a * np.repeat(2.0 ** (sa - 127.0), 32, axis=1)
+    wb = b * np.repeat(2.0 ** (sb - 127.0), 32, axis=1)
+    return wa @ wb.T
+
+
+def mfma_result(a_regs, b_regs, scales, a_format) -> np.ndarray:
+    """The probe's C [16, 16]: lane 16G + j element r is C[4G + r, j]."""
+    from jax_sparse_mla.ffi.calls import mfma_probe
+
+    acc = f64(jitted(mfma_probe, a_format=a_format)(a_regs, b_regs, jnp.asarray(scales)))
+    c = np.zeros((16, 16))
+    for lane in range(64):
+        c[4 * (lane >> 4) : 4 * (lane >> 4) + 4, lane & 15] = acc[lane]
+    return c
+
+
+def test_mfma_operand_layouts_e4m3():
+    """sparse_mla and mla_decode assume seed 000's split-K layout of both 8-bit operands."""
+    r = C.rng(31)
+    a, b = e4m3_codes(r, (16, 128)), e4m3_codes(r, (16, 128))
+    sa, sb = r.integers(124, 131, (16, 4)), r.integers(124, 131, (16, 4))
+    want = mfma_expected(e4m3_values(a), e4m3_values(b), sa, sb)
+    scales = scale_registers(sa, sb)
+    got = mfma_result(split_k_registers(a), split_k_registers(b), scales, 0)
+    if not np.array_equal(got, want):
+        alt = mfma_result(contiguous_k_registers(a), contiguous_k_registers(b), scales, 0)
+        pytest.fail(
+            "e4m3 x e4m3 scaled MFMA: the split-K layout that sparse_mla and mla_decode assume "
+            f"does not hold ({int(np.sum(got != want))} of 256 wrong); seed 002's contiguous "
+            f"layout {'does' if np.array_equal(alt, want) else 'does not either'}"
+        )
+
+
+def test_mfma_operand_layouts_e2m1_e4m3():
+    """ultraquant assumes seed 002's contiguous-K layout of the e2m1 A and the e4m3 B."""
+    r = C.rng(32)
+    a = r.integers(0, 16, (16, 128))
+    b = e4m3_codes(r, (16, 128))
+    sa, sb = r.integers(124, 131, (16, 4)), np.full((16, 4), 127)  # ultraquant: scale_b = 1
+    want = mfma_expected(E2M1_VALUES[a], e4m3_values(b), sa, sb)
+    scales = scale_registers(sa, sb)
+    a_regs = contiguous_k_nibble_registers(a)
+    got = mfma_result(a_regs, contiguous_k_registers(b), scales, 4)
+    if not np.array_equal(got, want):
+        alt = mfma_result(a_regs, split_k_registers(b), scales, 4)
+        pytest.fail(
+            "e2m1 x e4m3 scaled MFMA: the contiguous layout that ultraquant assumes does not "
+            f"hold ({int(np.sum(got != want))} of 256 wrong); with B in seed 000's split-K "
+            f"layout it {'does' if np.array_equal(alt, want) else 'does not either'}"
+        )
+
+
+# =============================================================================================
 # sparse_mla
 # =============================================================================================
 
