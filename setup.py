@@ -27,7 +27,6 @@ def _build_lib_module():
         "_jsm_build_lib", HERE / "jax_sparse_mla/ffi/build_lib.py"
     )
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 

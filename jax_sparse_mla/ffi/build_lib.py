@@ -123,7 +123,9 @@ def build_library(
         sources = [CSRC / s for s in (*HANDLER_SOURCES, hip)] + [table]
         exports = Path(tmp) / "exports.map"  # only the handlers and the test hooks
         exports.write_text("{ global: Jsm*; jsm_prepare_launch; jsm_record_take; local: *; };\n")
-        partial = Path(tmp) / output.name
+        # Linked next to ``output`` and renamed over it: a process that loaded the old copy
+        # keeps its inode (writing into a loaded library in place would corrupt that process).
+        partial = output.with_name(f".{output.name}.{os.getpid()}.tmp")
         cmd = [
             cxx or compiler(),
             "-std=c++17",
@@ -145,10 +147,11 @@ def build_library(
         ]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
+            partial.unlink(missing_ok=True)
             raise RuntimeError(
                 f"building the FFI library failed:\n{' '.join(cmd)}\n{result.stderr[-4000:]}"
             )
-        shutil.move(partial, output)  # replace atomically-ish: a loaded copy keeps its inode
+        os.replace(partial, output)
     return output
 
 

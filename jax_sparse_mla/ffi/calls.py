@@ -137,7 +137,7 @@ def mla_decode_partials_flydsl(
         jax.ShapeDtypeStruct((rows, num_splits, heads, LATENT_DIM), jnp.bfloat16),
         jax.ShapeDtypeStruct((rows, num_splits, heads), jnp.float32),
     ]
-    scales = {k: np.float32(_static(v)) for k, v in (("k_scale", k_scale), ("v_scale", v_scale))}
+    scales = {"k_scale": k_scale, "v_scale": v_scale, "sm_scale": sm_scale}
     return tuple(
         _call(
             "jsm_mla_decode_partials",
@@ -147,8 +147,7 @@ def mla_decode_partials_flydsl(
             kv_indices,
             kv_indptr,
             qlen=np.int32(qlen),
-            sm_scale=np.float32(_static(sm_scale)),
-            **scales,
+            **{name: np.float32(_static(value)) for name, value in scales.items()},
         )
     )
 

@@ -50,7 +50,8 @@ class LaunchArgs {
 };
 
 // Runs kernel `symbol` with `args` on `stream` of `device`: checks the HIP runtime, finds the
-// kernel, loads its code object once per device, checks the ABI and calls the packed entry.
+// kernel, checks the ABI and initializes it once, loads its code object once per device and
+// calls the packed entry.
 xla::ffi::Error Launch(std::string_view symbol, LaunchArgs& args, int32_t device);
 
 // The launch whose packed entry is running on this thread (set by Launch), else nullptrs.

@@ -79,13 +79,20 @@ const Kernel* FindKernel(std::string_view symbol) {
   return nullptr;
 }
 
-// Initializes the kernel's module once and loads its code object once per device.
-ffi::Error EnsureLoaded(const Kernel& kernel, int32_t device) {
+// Once per kernel: checks that `args` (when given) packs the kernel's export ABI and
+// initializes its module; once per (kernel, device): loads its code object.
+ffi::Error EnsureLoaded(const Kernel& kernel, int32_t device, const LaunchArgs* args) {
   static std::mutex mutex;
   static std::set<const Kernel*> initialized;
   static std::set<std::pair<const Kernel*, int32_t>> loaded;
   std::lock_guard<std::mutex> lock(mutex);
   if (!initialized.count(&kernel)) {
+    if (args != nullptr && args->abi() != kernel.abi) {
+      return ffi::Error::Internal(std::string("jax_sparse_mla: ") + kernel.symbol +
+                                  " was exported with the launch ABI [" + kernel.abi +
+                                  "] but the handler packs [" + args->abi() +
+                                  "]: rebuild the kernels and the FFI library together");
+    }
     if (int32_t status = kernel.module_init()) {
       return ffi::Error::Internal(std::string("jax_sparse_mla: initializing ") + kernel.symbol +
                                   " failed: " + StatusName(status));
@@ -127,7 +134,7 @@ ffi::Error Prepare(std::string_view symbol, int32_t device, const LaunchArgs* ar
   }
   *out = kernel;
   launching = {kernel, args};
-  return EnsureLoaded(*kernel, device);
+  return EnsureLoaded(*kernel, device, args);
 }
 
 }  // namespace
@@ -136,12 +143,6 @@ ffi::Error Launch(std::string_view symbol, LaunchArgs& args, int32_t device) {
   const LaunchingGuard guard;
   const Kernel* kernel = nullptr;
   if (ffi::Error error = Prepare(symbol, device, &args, &kernel); error.failure()) return error;
-  if (args.abi() != kernel->abi) {
-    return ffi::Error::Internal("jax_sparse_mla: " + std::string(symbol) +
-                                " was exported with the launch ABI [" + kernel->abi +
-                                "] but the handler packs [" + args.abi() +
-                                "]: rebuild the kernels and the FFI library together");
-  }
   int current = 0;
   if (int status = hipGetDevice(&current)) {
     return ffi::Error::Internal("jax_sparse_mla: hipGetDevice failed: " + StatusName(status));
