@@ -147,7 +147,7 @@ def demo_ultraquant(rng: np.random.Generator) -> None:
     seq_lens = np.array([5, 600, 1024], np.int32)
     q = jnp.asarray(rng.normal(size=(batch, kv_heads * group, 256)), jnp.bfloat16)
     k_stored, v_deq = (f64(x) for x in ultraquant_unpack(cache))
-    # K is stored rotated and permuted: rotate q the same way (the rotation cancels in q·k).
+    # K is stored rotated (H/16): rotate q the same way (the rotation cancels in q·k).
     q_rot = f64(jsm.formats.ultraquant_rotate(q.astype(jnp.float32)))
     refs = {}
     for b in range(batch):

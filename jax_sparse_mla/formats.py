@@ -262,19 +262,6 @@ def concat_and_cache_mla(
 # ---------------------------------------------------------------------------------------------
 
 
-def _uq_store_position(d: np.ndarray) -> np.ndarray:
-    """Stored position of rotated dim ``d``: bits 4, 5, 6 of the position are d's bits 6, 4, 5.
-
-    This is the column permutation of the gfx950 kernel's Q operand layout (seed 002).
-    """
-    return (d & 0x8F) | ((d >> 2) & 0x10) | ((d << 1) & 0x60)
-
-
-UQ_STORE_POSITION = _uq_store_position(np.arange(UQ_HEAD_DIM))
-# stored[..., i] = rotated[..., UQ_STORED_SOURCE[i]]
-UQ_STORED_SOURCE = np.argsort(UQ_STORE_POSITION)
-
-
 def hadamard_transform(x: jax.Array) -> jax.Array:
     """Unnormalized Sylvester-ordered Walsh-Hadamard transform along the last axis (power of 2).
 
@@ -295,19 +282,18 @@ def hadamard_transform(x: jax.Array) -> jax.Array:
 
 
 def ultraquant_rotate(x: jax.Array) -> jax.Array:
-    """The UltraQuant rotation in stored order: ``permute(H x / 16)``.
+    """The UltraQuant rotation ``H x / 16`` (orthonormal, natural Sylvester column order).
 
-    Applied to K by ``ultraquant_store`` and to q by ``ultraquant_decode``; the permutation and
-    the orthonormal ``H/16`` cancel in ``q·k``.
+    Applied to K by ``ultraquant_store`` and to q by ``ultraquant_decode``; it cancels in
+    ``q·k``. K is stored in this order: no column permutation.
 
     Args:
       x: [..., 256] float.
     Returns:
-      [..., 256] float32, ``out[..., i] = (H x / 16)[..., UQ_STORED_SOURCE[i]]``.
+      [..., 256] float32.
     """
     check_array("ultraquant_rotate", "x", x, last_dims=(UQ_HEAD_DIM,))
-    rotated = hadamard_transform(x) * jnp.float32(1.0 / 16.0)
-    return rotated[..., UQ_STORED_SOURCE]
+    return hadamard_transform(x) * jnp.float32(1.0 / 16.0)
 
 
 def ultraquant_quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -376,7 +362,7 @@ def ultraquant_unpack(cache: jax.Array) -> tuple[jax.Array, jax.Array]:
     Args:
       cache: [..., slot_bytes] uint8 (e.g. [num_blocks, block_size, Hk, slot_bytes]).
     Returns:
-      k_stored [..., 256] float32 (rotated and permuted, as ``ultraquant_rotate`` leaves it) and
+      k_rot [..., 256] float32 (rotated, in the order ``ultraquant_rotate`` leaves it) and
       v [..., 256] float32 (V's own space).
     """
     check_array("ultraquant_unpack", "cache", cache, dtypes=[jnp.uint8], min_ndim=1)
@@ -414,9 +400,9 @@ def ultraquant_store(
 ) -> jax.Array:
     """Quantizes tokens into an UltraQuant FP4 paged cache.
 
-    K is rotated (``ultraquant_rotate``: H/16 then the kernel's column permutation) in float32
-    and quantized per stored 32-group; V is quantized as given. Bytes past 272 of a slot
-    (padding) are left as they are.
+    K is rotated (``ultraquant_rotate``: H/16, natural column order) in float32 and quantized
+    per 32-group of rotated dims (32g .. 32g+31); V is quantized as given. Bytes past 272 of a
+    slot (padding) are left as they are.
 
     Args:
       cache: [num_blocks, block_size, Hk, slot_bytes] uint8, slot_bytes >= 272, multiple of 4.

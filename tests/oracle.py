@@ -179,30 +179,15 @@ H256 = hadamard(UQ_D)
 H256_ORTHO = H256 / 16.0  # orthonormal and symmetric: its own inverse
 
 
-def uq_dest(d):
-    d = np.asarray(d)
-    return (d & 0x8F) | ((d >> 2) & 0x10) | ((d << 1) & 0x60)
-
-
-UQ_DEST = uq_dest(np.arange(UQ_D))  # rotated value d is stored at position UQ_DEST[d]
-UQ_SRC = np.argsort(UQ_DEST)  # stored position p holds rotated value UQ_SRC[p]
-assert sorted(UQ_DEST.tolist()) == list(range(UQ_D))
-
-
 def uq_rotate_exact(k) -> np.ndarray:
-    """Original-space K [..., 256] -> rotated (H/16) and permuted to stored order, float64 exact."""
-    k = np.asarray(k, dtype=np.float64)
-    rot = k @ H256_ORTHO  # H symmetric
-    stored = np.empty_like(rot)
-    stored[..., UQ_DEST] = rot
-    return stored
+    """Original-space K [..., 256] -> rotated (H/16, natural column order: the stored order),
+    float64 exact."""
+    return np.asarray(k, dtype=np.float64) @ H256_ORTHO  # H symmetric
 
 
-def uq_unrotate(stored) -> np.ndarray:
-    """Stored-order rotated K [..., 256] -> original space, float64."""
-    stored = np.asarray(stored, dtype=np.float64)
-    rot = stored[..., UQ_DEST]  # rot[d] = stored[dest(d)]
-    return rot @ H256_ORTHO
+def uq_unrotate(rot) -> np.ndarray:
+    """Rotated K [..., 256] (stored order) -> original space, float64."""
+    return np.asarray(rot, dtype=np.float64) @ H256_ORTHO
 
 
 E2M1_MAGS = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -231,7 +216,7 @@ def _floor_log2_plus_half_exact(t: np.ndarray) -> np.ndarray:
 
 
 def uq_quantize(x) -> tuple[np.ndarray, np.ndarray]:
-    """Stored-order values [..., 256] (rounded to float32) -> (packed codes uint8 [..., 128],
+    """Rotated values [..., 256] (rounded to float32) -> (packed codes uint8 [..., 128],
     scale bytes uint8 [..., 8])."""
     x = np.asarray(x, dtype=np.float32)
     lead = x.shape[:-1]
@@ -285,7 +270,7 @@ def ultraquant_store(cache, k, v, slot_mapping) -> np.ndarray:
 
 
 def uq_unpack(cache) -> tuple[np.ndarray, np.ndarray]:
-    """cache uint8 [nb, bs, Hk, slot] -> (K in stored order, V), float64 [nb, bs, Hk, 256]."""
+    """cache uint8 [nb, bs, Hk, slot] -> (rotated K, V), float64 [nb, bs, Hk, 256]."""
     c = np.asarray(cache, dtype=np.uint8)
     k = uq_dequantize(c[..., 0:128], c[..., 128:136])
     v = uq_dequantize(c[..., 136:264], c[..., 264:272])

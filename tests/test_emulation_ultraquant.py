@@ -1,13 +1,14 @@
 """The gfx950 ultraquant_decode emulation (partials + reduce) against the float64 oracle and "xla".
 
-The kernel attends with its own query ``q8 = e4m3(clamp(H q / 16, +-448))`` in stored order (the
-"haircut"; ``kernel_query`` computes it exactly with the oracle's codecs). The haircut is by far
+The kernel attends with its own query ``q8 = e4m3(clamp(H q / 16, +-448))`` in the natural
+rotated order K is stored in (the "haircut"; ``kernel_query`` computes it exactly with the
+oracle's codecs). The haircut is by far
 the largest difference from exact attention (3 significant bits per rotated element: a score
 error of order ``2^-5 sm_scale sqrt(sum_i q_i^2 k_i^2)``), and it is deterministic, so the tests
 compare with the float64 oracle evaluated on ``q8`` (``oracle_on``), check that the emulation's
 query is exactly ``q8``, and bound what is left. Per output element (request, head, dim d),
 with the oracle's weights ``w_k`` over the n valid keys, ``A_d = sum_k w_k |V_kd|``,
-``M = max |V|`` and ``S = sm_scale max_k sum_i |q8_i k_i|`` (rotated, stored order):
+``M = max |V|`` and ``S = sm_scale max_k sum_i |q8_i k_i|`` (rotated dims):
 
 * P in bf16 (the dominant term): ``bf16(p) = p (1 + e)``, ``|e| <= 2^-8`` (nearest of 8
   significant bits), and ``L`` sums the unrounded p, so O moves by ``<= 2^-8 A_d``.
@@ -25,7 +26,9 @@ with the oracle's weights ``w_k`` over the n valid keys, ``A_d = sum_k w_k |V_kd
 So ``|emu - ref| <= 2^-8 |ref| + (1 + 2^-8) ((1 + [P > 1]) 2^-8 A_d + 2 attn_atol)``. The test
 against the exact reference compares per-partition partials the same way (``A`` of the
 partition; the lse within ``2 oracle.lse_atol``). The meta-tests check that the bound fails a
-query rotated without the column permutation and one without the haircut. ``report`` prints
+query paired with K through a column permutation (the removed layout) and one without the
+haircut. The last sections model the kernel's lane layouts and one scaled MFMA per operand bit
+width, writer to scores. ``report`` prints
 the measured distances (``pytest -s``).
 """
 
@@ -37,8 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_sparse_mla as jsm
 from jax_sparse_mla.emulation import ultraquant as E
-from jax_sparse_mla.formats import UQ_STORE_POSITION, ultraquant_rotate
+from jax_sparse_mla.formats import ultraquant_rotate
 from jax_sparse_mla.reference.ultraquant import ultraquant_decode_partials_f32
 from tests import cases as C
 from tests import oracle as O
@@ -53,7 +57,7 @@ BF16_HALF_ULP = 2.0**-8
 
 
 def kernel_query(q) -> np.ndarray:
-    """q8 [..., 256] in stored order: exact rotation (H/16), saturating RNE e4m3, float64."""
+    """q8 [..., 256] rotated dims: exact rotation (H/16), saturating RNE e4m3, float64."""
     return O.e4m3_decode(O.e4m3_encode(O.uq_rotate_exact(O.to_f64(q))))
 
 
@@ -64,7 +68,7 @@ def abs_v_cache(cache) -> np.ndarray:
     return c
 
 
-def rotated_score_abs(q8, case) -> np.ndarray:
+def rotated_score_abs(q8, case, sm_scale=SM) -> np.ndarray:
     """S = sm_scale max_k sum_i |q8_i k_i| per (request, query head) over the valid keys."""
     cache = np.asarray(case.cache, np.uint8)
     nb, bs, hk, _ = cache.shape
@@ -76,11 +80,11 @@ def rotated_score_abs(q8, case) -> np.ndarray:
         j = np.arange(seq[b])
         blk = bt[b, j // bs]
         ok = (blk >= 0) & (blk < nb)
-        k, _ = O.uq_unpack(cache[blk[ok], j[ok] % bs, :, :272])  # [n, Hk, 256] stored order
+        k, _ = O.uq_unpack(cache[blk[ok], j[ok] % bs, :, :272])  # [n, Hk, 256] rotated
         for h in range(hk):
             if k.shape[0]:
                 dots = np.abs(q8[b, h * g : (h + 1) * g]) @ np.abs(k[:, h]).T
-                out[b, h * g : (h + 1) * g] = SM * dots.max(axis=-1)
+                out[b, h * g : (h + 1) * g] = sm_scale * dots.max(axis=-1)
     return out
 
 
@@ -95,15 +99,15 @@ class Reference(NamedTuple):
     score_abs: np.ndarray  # [B, Hq]: S, rotated plus original domain
 
 
-def oracle_on(q8, case) -> Reference:
-    """The float64 oracle with the kernel's query (stored-order q8) and the bound's terms."""
+def oracle_on(q8, case, sm_scale=SM) -> Reference:
+    """The float64 oracle with the kernel's query (rotated q8) and the bound's terms."""
     q_eff = O.uq_unrotate(q8)
-    args = (case.block_tables, case.seq_lens, SM)
+    args = (case.block_tables, case.seq_lens, sm_scale)
     ref, lse, st = O.ultraquant_decode(q_eff, case.cache, *args, stats=True)
     a, _ = O.ultraquant_decode(q_eff, abs_v_cache(case.cache), *args)
     g = q8.shape[1] // case.cache.shape[2]
     n, vmax, s_orig = O.stats_atol(st, ref.shape[:2], heads_per_entry=g)
-    score_abs = rotated_score_abs(q8, case) + s_orig
+    score_abs = rotated_score_abs(q8, case, sm_scale) + s_orig
     atol = 2 * O.attn_atol(n, vmax, score_abs)
     return Reference(ref, a, atol[..., None], np.isneginf(lse), n, score_abs)
 
@@ -324,17 +328,21 @@ def test_jit_vmap():
 
 
 _ROTATE_QUERY = E.rotate_query
+_D = np.arange(256)
+# The removed layout: rotated dim d of K stored at this column (the kernel's q byte permutation,
+# applied to K as well, so that q and K met through it twice).
+REMOVED_K_COLUMN = (_D & 0x8F) | ((_D >> 2) & 0x10) | ((_D << 1) & 0x60)
 
 
-def _without_permutation(q):
-    return _ROTATE_QUERY(q)[..., UQ_STORE_POSITION]  # natural Hadamard order
+def _with_removed_k_permutation(q):
+    return _ROTATE_QUERY(q)[..., REMOVED_K_COLUMN]
 
 
 def _without_haircut(q):
-    return ultraquant_rotate(q)  # the writer's f32 rotation of K: H/16, permuted, no e4m3
+    return ultraquant_rotate(q)  # the writer's f32 rotation of K: H/16, no e4m3
 
 
-@pytest.mark.parametrize("variant", [_without_permutation, _without_haircut])
+@pytest.mark.parametrize("variant", [_with_removed_k_permutation, _without_haircut])
 def test_bound_catches_wrong_query(variant, monkeypatch):
     case, num_partitions = make_case("g8_bs16_p1_masked_clamped_empty")
     r = oracle_on(kernel_query(case.q), case)
@@ -342,24 +350,6 @@ def test_bound_catches_wrong_query(variant, monkeypatch):
     monkeypatch.setattr(E, "rotate_query", variant)
     with pytest.raises(AssertionError, match="out of bound"):
         check(run(case, num_partitions, fresh=True), r, num_partitions)
-
-
-# ---------------------------------------------------------------------------------------------
-# the kernel's own layout of the rotated q is the writer's permutation of K
-# ---------------------------------------------------------------------------------------------
-
-
-def test_kernel_q_store_matches_the_writer_permutation():
-    """Lane chunk c holds rotated dims 32c + t; the kernel stores t < 16 at byte
-    ``dest_base(c) + t`` and t >= 16 at ``dest_base(c) + 32 + (t - 16)`` of the e4m3 q row:
-    every dim must land where ``ultraquant_store`` puts the same dim of K."""
-    pytest.importorskip("flydsl", reason="needs the gfx950-build extra (flydsl)")
-    K = pytest.importorskip("jax_sparse_mla.kernels.gfx950.ultraquant")
-    placed = np.empty(256, np.int64)
-    for c in range(8):
-        for t in range(32):
-            placed[32 * c + t] = K._dest_base(c) + (t if t < 16 else 32 + t - 16)
-    np.testing.assert_array_equal(placed, UQ_STORE_POSITION)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,21 +364,36 @@ def _d_lanes(d):
     return np.stack([d[4 * (LANES >> 4) + e, LANES & 15] for e in range(4)], axis=1)
 
 
+def _operand_k_index(bits: int) -> np.ndarray:
+    """[4 lane groups, 32 elements]: the K index (of 128) that element e of lane group g holds in
+    a v_mfma_scale_f32_16x16x128_f8f6f4 operand, by the operand's own bit width. 4-bit (e2m1):
+    32 contiguous K values 32g + e (bytes 0-15, element 2m in byte m's low nibble). 8-bit
+    (e4m3): byte e < 16 is K 16g + e, byte 16 + e is K 64 + 16g + e. (AMD's CDNA matrix-core
+    blog, FlyDSL's fp8 x fp4 MoE GEMM and AMD's ISA emulator: kernels/gfx950/ultraquant.py.)"""
+    g, e = np.arange(4)[:, None], np.arange(32)[None, :]
+    if bits == 4:
+        return 32 * g + e
+    return np.where(e < 16, 16 * g + e, 64 + 16 * g + e - 16)
+
+
 def _mfma_fp4_fp8(a, b, scale_a, scale_b):
-    """v_mfma_scale_f32_16x16x128_f8f6f4 with A e2m1 (cbsz 4) and B e4m3, as the kernel's
-    docstring states it: lane 16g + i holds row i of A (16 bytes: K 32g + [0, 32), element 2m in
-    byte m's low nibble) and column i of B (32 bytes: K 32g + [0, 32)); the E8M0 scale of K group
-    g of row / column i is byte 0 (op_sel 0) of lane 16g + i's scale operand. a [64, 16] and
-    b [64, 32] bytes, scales [64] -> [64 lanes, 4] float64."""
+    """v_mfma_scale_f32_16x16x128_f8f6f4 with A e2m1 (cbsz 4) and B e4m3: lane 16g + i holds
+    row i of A (16 bytes) and column i of B (32 bytes) at the K indices of
+    ``_operand_k_index``; the E8M0 scale of K 32g .. 32g+31 of row / column i is byte 0
+    (op_sel 0) of lane 16g + i's scale operand. a [64, 16] and b [64, 32] bytes, scales [64]
+    -> [64 lanes, 4] float64."""
     mat_a, mat_b = np.zeros((16, 128)), np.zeros((128, 16))
+    sa, sb = np.zeros((16, 128)), np.zeros((128, 16))
+    k4, k8 = _operand_k_index(4), _operand_k_index(8)
     for g in range(4):
-        lanes, ks = 16 * g + np.arange(16), slice(32 * g, 32 * g + 32)
+        lanes = 16 * g + np.arange(16)
         nibbles = np.stack([a[lanes] & 15, a[lanes] >> 4], axis=-1).reshape(16, 32)
-        sa = np.ldexp(1.0, (scale_a[lanes] & 0xFF).astype(np.int64) - 127)
-        sb = np.ldexp(1.0, (scale_b[lanes] & 0xFF).astype(np.int64) - 127)
-        mat_a[:, ks] = O.E2M1_TABLE[nibbles] * sa[:, None]
-        mat_b[ks, :] = O.e4m3_decode(b[lanes]).T * sb[None, :]
-    return _d_lanes(mat_a @ mat_b)
+        mat_a[:, k4[g]] = O.E2M1_TABLE[nibbles]
+        mat_b[k8[g], :] = O.e4m3_decode(b[lanes]).T
+        ks = slice(32 * g, 32 * g + 32)
+        sa[:, ks] = np.ldexp(1.0, (scale_a[lanes] & 0xFF).astype(np.int64) - 127)[:, None]
+        sb[ks, :] = np.ldexp(1.0, (scale_b[lanes] & 0xFF).astype(np.int64) - 127)[None, :]
+    return _d_lanes((mat_a * sa) @ (mat_b * sb))
 
 
 def _mfma_bf16(a, b):
@@ -423,8 +428,9 @@ def test_kernel_layout(group_size, block_size):
     """One 16-token tile (tokens 272 .. 287 of a request of 283 tokens: block-table column 17 of
     a 16-token-block table, or column 1 at slot 16 of a 256-token-block table; kv head 1 of 2,
     padded slots) through the kernel's lane mappings with the MFMA / tr16 semantics above: QK
-    pairs each stored K dim with the same dim of the permuted q under its own UE8M0 group scale
-    and masks by the token of each score; V lands row-major in LDS, the tr16 reads give lane
+    pairs each rotated K dim (natural order) with the same dim of q (stored permuted into LDS,
+    read back as the 8-bit operand) under K's UE8M0 group scale and masks by the token of each
+    score; V lands row-major in LDS, the tr16 reads give lane
     16g + i dim 16h + i of tokens 4g .. 4g+3, P (QK's result layout) meets V of the same token,
     and each result lands at its row and dims of the partial."""
     pytest.importorskip("flydsl", reason="needs the gfx950-build extra (flydsl)")
@@ -440,7 +446,7 @@ def test_kernel_layout(group_size, block_size):
     # The cache: garbage everywhere (masked tokens included), the tile's valid tokens written
     # where the reference reads token t: block block_tables[t // bs], slot t % bs.
     cache = r.integers(0, 256, num_blocks * block_size * stride_pos).astype(np.uint8)
-    codes = r.integers(0, 256, (n_valid, 2, 128)).astype(np.uint8)  # K, V codes (stored order)
+    codes = r.integers(0, 256, (n_valid, 2, 128)).astype(np.uint8)  # K (rotated), V codes
     scales = r.integers(110, 145, (n_valid, 2, 8)).astype(np.uint8)
     for i in range(n_valid):
         pos = tile_start + i
@@ -462,7 +468,9 @@ def test_kernel_layout(group_size, block_size):
         at = np.asarray(offset)[:, None] + np.arange(n)
         return np.where(at < n_valid * stride_pos, cache[base + np.minimum(at, cache.size - 1)], 0)
 
-    # q: rotated e4m3 rows 0..G-1 stored by the kernel's map (rows G..15 stay zero).
+    # q: rotated e4m3 rows 0..G-1 (dims in natural order) stored by the kernel's map (rows
+    # G..15 stay zero): lane chunk c writes dims 32c + t, t < 16 at _q_store_offset, t >= 16
+    # 32 bytes further.
     q8 = r.integers(0, 256, (group_size, 256)).astype(np.uint8)
     q8[(q8 & 0x7F) == 0x7F] = 0x38  # no NaN
     lds = np.zeros(K.LDS_BYTES, np.uint8)
@@ -470,8 +478,8 @@ def test_kernel_layout(group_size, block_size):
     for row in range(group_size):
         for c in range(8):
             lds[K._q_store_offset(row, c) + np.where(t < 16, t, t + 16)] = q8[row, 32 * c + t]
-    q_stored = np.zeros((16, 256))
-    q_stored[:group_size, UQ_STORE_POSITION] = O.e4m3_decode(q8)
+    q_rot = np.zeros((16, 256))
+    q_rot[:group_size] = O.e4m3_decode(q8)
 
     # QK: two scaled MFMAs; lane l element e = token 4(l >> 4) + e, q row l & 15.
     k_off = K._k_lane_offset(LANES, stride_pos)
@@ -482,7 +490,7 @@ def test_kernel_layout(group_size, block_size):
         b = lds[K._q_operand_offset(LANES, h)[:, None] + np.arange(32)]
         scale_a = k_scale_words[:, h] >> K._k_scale_shift(K._k_lane_group(LANES))
         raw = raw + _mfma_fp4_fp8(a, b, scale_a, np.full(64, 0x7F))
-    want_s = _d_lanes(k_want @ q_stored.T)
+    want_s = _d_lanes(k_want @ q_rot.T)
     np.testing.assert_allclose(raw, want_s, rtol=1e-12, atol=1e-12 * np.max(np.abs(want_s)))
     token = K._score_first_token(tile_start, K._k_lane_group(LANES))[:, None] + np.arange(4)
     d_token = tile_start + _d_lanes(np.broadcast_to(np.arange(16)[:, None], (16, 16)))
@@ -518,3 +526,87 @@ def test_kernel_layout(group_size, block_size):
         out[at] = _mfma_bf16(v_op, p_op)
     want_o = p.T @ v_want  # [q row, dim]
     np.testing.assert_allclose(out.reshape(16, 256), want_o, rtol=1e-12, atol=1e-300)
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernel's q byte permutation is the 8-bit operand layout; writer to scores in one MFMA model
+# ---------------------------------------------------------------------------------------------
+
+
+def _kernel_q_lds(K, q8_codes) -> np.ndarray:
+    """The LDS bytes of the kernel's q tile: rotated dims 32c + t of row ``row`` (lane chunk c)
+    at ``_q_store_offset(row, c) + t`` (t < 16) and 32 bytes further (t >= 16); q8_codes
+    [G, 256] e4m3 codes in natural rotated order."""
+    lds = np.zeros(K.LDS_BYTES, np.uint8)
+    t = np.arange(32)
+    for row in range(q8_codes.shape[0]):
+        for c in range(8):
+            lds[K._q_store_offset(row, c) + np.where(t < 16, t, t + 16)] = q8_codes[row, 32 * c + t]
+    return lds
+
+
+def test_kernel_q_store_is_the_8bit_operand_layout():
+    """Rotated q dim d, stored by the kernel and read back as QK MFMA h's e4m3 B operand (lane
+    group g: bytes 128h + 32g .. +31 of the row), sits at K index d - 128h of MFMA h, which is
+    where the e2m1 A operand (32 contiguous K values per lane group, ``_k_codes_offset``) holds
+    K's rotated dim d."""
+    pytest.importorskip("flydsl", reason="needs the gfx950-build extra (flydsl)")
+    K = pytest.importorskip("jax_sparse_mla.kernels.gfx950.ultraquant")
+    lds = _kernel_q_lds(K, (np.arange(256) % 128)[None, :].astype(np.uint8))  # byte = d mod 128
+    for h in range(2):
+        b = lds[K._q_operand_offset(LANES, h)[:, None] + np.arange(32)]  # [64 lanes, 32 bytes]
+        np.testing.assert_array_equal(b[0:64:16], _operand_k_index(8))  # row 0, lane groups
+
+
+def _qk_scores(K, slots, q8_codes) -> np.ndarray:
+    """Raw scores [16 tokens, 16 q rows] of one 16-token tile (slots [16, slot_bytes] of one KV
+    head) through the kernel's q store, operand offsets and the scaled MFMA model."""
+    lds = _kernel_q_lds(K, q8_codes)
+    stride = slots.shape[-1]
+    flat = slots.reshape(-1)
+    k_off = K._k_lane_offset(LANES, stride)
+    k_scale_words = _words(flat[K._k_scale_lane_offset(LANES, stride)[:, None] + np.arange(8)])
+    raw = 0
+    for h in range(2):
+        a = flat[K._k_codes_offset(k_off, h)[:, None] + np.arange(16)]
+        b = lds[K._q_operand_offset(LANES, h)[:, None] + np.arange(32)]
+        scale_a = k_scale_words[:, h] >> K._k_scale_shift(K._k_lane_group(LANES))
+        raw = raw + _mfma_fp4_fp8(a, b, scale_a, np.full(64, 0x7F))
+    scores = np.empty((16, 16))
+    scores[4 * (LANES >> 4)[:, None] + np.arange(4), (LANES & 15)[:, None]] = raw
+    return scores
+
+
+def test_writer_kernel_mfma_scores_are_the_dot_product():
+    """K written by ``ultraquant_store``, q rotated by the emulation's (= the kernel's) rotation,
+    both through the kernel's layouts and the MFMA model: every score is the dot product of the
+    unrotated q8 and the unrotated dequantized K (orthonormal H/16 cancels). The removed layout
+    (K's columns permuted as q's bytes are) gives other numbers through the same model."""
+    pytest.importorskip("flydsl", reason="needs the gfx950-build extra (flydsl)")
+    K = pytest.importorskip("jax_sparse_mla.kernels.gfx950.ultraquant")
+    r = C.rng(41)
+    g = 8
+    k = jnp.asarray(r.standard_normal((16, 1, 256)), jnp.float32)
+    q = C.bf16_normal(r, (1, g, 256))
+    cache = jsm.ultraquant_store(
+        jnp.zeros((1, 16, 1, O.UQ_SLOT_MIN), jnp.uint8), k, k, jnp.arange(16, dtype=jnp.int32)
+    )
+    slots = np.asarray(cache)[0, :, 0]  # [16, 272]
+    q8 = np.asarray(E.rotate_query(q), np.float64)[0]  # [G, 256] rotated e4m3 values
+    q_true = O.uq_unrotate(q8)
+
+    def true_scores(k_rot):
+        return O.uq_unrotate(k_rot) @ q_true.T  # [16 tokens, G]
+
+    scores = _qk_scores(K, slots, O.e4m3_encode(q8))
+    want = true_scores(O.uq_unpack(slots)[0])
+    np.testing.assert_allclose(scores[:, :g], want, rtol=1e-9, atol=1e-9 * np.max(np.abs(want)))
+    assert np.all(scores[:, g:] == 0)
+
+    permuted = jsm.formats.ultraquant_rotate(k)[..., np.argsort(REMOVED_K_COLUMN)]
+    codes, scales = jsm.formats.ultraquant_quantize(permuted)
+    old = slots.copy()
+    old[:, :136] = np.concatenate([np.asarray(codes), np.asarray(scales)], axis=-1)[:, 0]
+    old_want = true_scores(O.uq_unpack(old)[0][:, REMOVED_K_COLUMN])
+    old_err = np.abs(_qk_scores(K, old, O.e4m3_encode(q8))[:, :g] - old_want)
+    assert np.max(old_err) > 0.1 * np.max(np.abs(old_want))

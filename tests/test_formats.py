@@ -288,10 +288,21 @@ def test_ultraquant_rotate_exact():
     got = np.asarray(rotate_k(k))
     assert got.dtype == np.float32 and got.shape == (6, 2, 256)
     np.testing.assert_array_equal(got, O.uq_rotate_exact(np.asarray(k, np.float64)))
-    # a unit vector e_d lands, rotated, on the Hadamard row d (permuted)
-    e = np.zeros((256, 256), np.float32)
-    e[np.arange(256), np.arange(256)] = 1.0
-    np.testing.assert_array_equal(np.asarray(rotate_k(jnp.asarray(e))), O.uq_rotate_exact(e))
+    # a unit vector e_d lands, rotated, on the Hadamard row d / 16 in natural column order
+    e = np.eye(256, dtype=np.float32)
+    np.testing.assert_array_equal(np.asarray(rotate_k(jnp.asarray(e))), O.H256 / 16.0)
+
+
+def test_ultraquant_store_k_natural_order():
+    """K = 16 e_16 rotates to (-1)^bit4(d): +1 on dims 0-15, -1 on 16-31, ... in natural order.
+    Each 32-group has amax 1: scale 2^floor(log2(0.156) + 0.5) = 2^-3 (byte 124), 1 / 2^-3 = 8
+    saturates to E2M1 6 (code 0x7, -6 is 0xF): K codes are 8 bytes 0x77 then 8 bytes 0xFF per
+    group. (A column permutation of K would mix the signs inside the groups.)"""
+    k = jnp.zeros((1, 1, 256), jnp.float32).at[0, 0, 16].set(16.0)
+    cache = uq_store(jnp.zeros((1, 1, 1, 272), jnp.uint8), k, k, jnp.zeros((1,), jnp.int32))
+    slot = np.asarray(cache)[0, 0, 0]
+    np.testing.assert_array_equal(slot[:128], np.tile([0x77] * 8 + [0xFF] * 8, 8))
+    np.testing.assert_array_equal(slot[128:136], np.full(8, 124))
 
 
 def _tie_groups():

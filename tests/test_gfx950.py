@@ -101,19 +101,20 @@ def per_lane(fn) -> np.ndarray:
 
 
 def split_k_registers(codes) -> np.ndarray:
-    """Seed 000's 8-bit operand (sparse_mla, mla_decode): lane 16g + i holds row i's K
-    [16g, 16g + 16) in bytes 0-15 and [64 + 16g, 64 + 16g + 16) in bytes 16-31."""
+    """The 8-bit operand layout (sparse_mla, mla_decode, ultraquant's q): lane 16g + i holds row
+    i's K [16g, 16g + 16) in bytes 0-15 and [64 + 16g, 64 + 16g + 16) in bytes 16-31."""
     return per_lane(lambda g, i: np.concatenate([codes[i, 16 * g : 16 * g + 16],
                                                  codes[i, 64 + 16 * g : 80 + 16 * g]]))  # fmt: skip
 
 
 def contiguous_k_registers(codes) -> np.ndarray:
-    """Seed 002's e4m3 operand (ultraquant's B): lane 16g + i holds row i's K [32g, 32g + 32)."""
+    """The alternative 8-bit layout (no kernel assumes it): lane 16g + i holds row i's K
+    [32g, 32g + 32)."""
     return per_lane(lambda g, i: codes[i, 32 * g : 32 * g + 32])
 
 
 def contiguous_k_nibble_registers(nibbles) -> np.ndarray:
-    """Seed 002's e2m1 operand (ultraquant's A): lane 16g + i holds row i's K [32g, 32g + 32)
+    """The 4-bit operand layout (ultraquant's K): lane 16g + i holds row i's K [32g, 32g + 32)
     two per byte (element 2t in the low nibble) in bytes 0-15."""
     packed = per_lane(lambda g, i: nibbles[i, 32 * g : 32 * g + 32 : 2]
                       | (nibbles[i, 32 * g + 1 : 32 * g + 32 : 2] << 4))  # fmt: skip
@@ -144,7 +145,7 @@ def mfma_result(a_regs, b_regs, scales, a_format) -> np.ndarray:
 
 
 def test_mfma_operand_layouts_e4m3():
-    """sparse_mla and mla_decode assume seed 000's split-K layout of both 8-bit operands."""
+    """sparse_mla and mla_decode assume the split-K layout of both 8-bit operands."""
     r = C.rng(31)
     a, b = e4m3_codes(r, (16, 128)), e4m3_codes(r, (16, 128))
     sa, sb = r.integers(124, 131, (16, 4)), r.integers(124, 131, (16, 4))
@@ -155,13 +156,16 @@ def test_mfma_operand_layouts_e4m3():
         alt = mfma_result(contiguous_k_registers(a), contiguous_k_registers(b), scales, 0)
         pytest.fail(
             "e4m3 x e4m3 scaled MFMA: the split-K layout that sparse_mla and mla_decode assume "
-            f"does not hold ({int(np.sum(got != want))} of 256 wrong); seed 002's contiguous "
+            f"does not hold ({int(np.sum(got != want))} of 256 wrong); the contiguous 32-byte "
             f"layout {'does' if np.array_equal(alt, want) else 'does not either'}"
         )
 
 
 def test_mfma_operand_layouts_e2m1_e4m3():
-    """ultraquant assumes seed 002's contiguous-K layout of the e2m1 A and the e4m3 B."""
+    """ultraquant assumes each operand laid out by its own bit width: the e2m1 A (K codes) with
+    32 contiguous K values per lane group, the e4m3 B (q) split like sparse_mla's operands (AMD's
+    CDNA matrix-core blog, FlyDSL's fp8 x fp4 MoE GEMM, AMD's ISA emulator: the kernel's
+    docstring). The kernel stores q permuted so that this pairs equal rotated dims."""
     r = C.rng(32)
     a = r.integers(0, 16, (16, 128))
     b = e4m3_codes(r, (16, 128))
@@ -169,13 +173,14 @@ def test_mfma_operand_layouts_e2m1_e4m3():
     want = mfma_expected(E2M1_VALUES[a], e4m3_values(b), sa, sb)
     scales = scale_registers(sa, sb)
     a_regs = contiguous_k_nibble_registers(a)
-    got = mfma_result(a_regs, contiguous_k_registers(b), scales, 4)
+    got = mfma_result(a_regs, split_k_registers(b), scales, 4)
     if not np.array_equal(got, want):
-        alt = mfma_result(a_regs, split_k_registers(b), scales, 4)
+        alt = mfma_result(a_regs, contiguous_k_registers(b), scales, 4)
         pytest.fail(
-            "e2m1 x e4m3 scaled MFMA: the contiguous layout that ultraquant assumes does not "
-            f"hold ({int(np.sum(got != want))} of 256 wrong); with B in seed 000's split-K "
-            f"layout it {'does' if np.array_equal(alt, want) else 'does not either'}"
+            "e2m1 x e4m3 scaled MFMA: the layout that ultraquant assumes (fp4 A contiguous, "
+            f"fp8 B split) does not hold ({int(np.sum(got != want))} of 256 wrong); with B "
+            f"contiguous too (fp4 contiguous, fp8 contiguous) it "
+            f"{'does: store q unpermuted' if np.array_equal(alt, want) else 'does not either'}"
         )
 
 

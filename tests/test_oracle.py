@@ -107,14 +107,13 @@ def test_pack_unpack_roundtrip():
     assert np.all(np.abs(l2) <= 448 * s)
 
 
-def test_hadamard_and_permutation():
+def test_hadamard_rotation():
     h = O.H256_ORTHO
     assert np.array_equal(h @ h, np.eye(256))  # exact: entries +-1/16, sums of 256 terms
     assert np.array_equal(h, h.T)
     assert O.H256[3, 5] == -1 and O.H256[3, 12] == 1  # popcount(1) odd, popcount(0) even
-    d = O.UQ_DEST
-    assert d[0] == 0 and d[0x10] == 0x20 and d[0x20] == 0x40 and d[0x40] == 0x10
-    assert d[0x80] == 0x80 and d[0x0F] == 0x0F
+    e = np.eye(256)[[0, 0x10, 0x40]]  # e_d rotates to Hadamard row d, natural order
+    np.testing.assert_array_equal(O.uq_rotate_exact(e), O.H256[[0, 0x10, 0x40]] / 16.0)
     rng = np.random.default_rng(3)
     k = rng.standard_normal((5, 256))
     assert np.allclose(O.uq_unrotate(O.uq_rotate_exact(k)), k, rtol=0, atol=1e-13)

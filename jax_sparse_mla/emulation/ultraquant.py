@@ -6,8 +6,9 @@ otherwise; ``e4m3`` is OCP e4m3fn, round to nearest even.
 
 Query (``rotate_query``): f32 Walsh-Hadamard butterflies ``(a + b, a - b)`` over strides 1, 2,
 4, ..., 128 in that order (the kernel's order: 5 in-lane stages, then 3 across lanes), times
-1/16 (exact), clamped to [-448, 448], rounded to e4m3, permuted into the stored order of K
-(``formats.UQ_STORED_SOURCE``). The clamp is the kernel's: ``v_cvt_pk_fp8_f32`` itself does
+1/16 (exact), clamped to [-448, 448], rounded to e4m3, in the natural rotated order K is stored
+in (the kernel's byte permutation of q in LDS only undoes the MFMA's 8-bit operand layout; it
+pairs the same dims). The clamp is the kernel's: ``v_cvt_pk_fp8_f32`` itself does
 not saturate (an overflow gives NaN, as the CDNA ISA and AMD's fp8 libraries, which clamp with
 v_med3 before it, say), so the kernel clamps first and a huge q saturates to +-448.
 
@@ -15,7 +16,7 @@ Partials (partition p of P owns the 128-token tile-groups p, p + P, ...; each is
 tokens; per request, KV head, query head):
 
 * Scores ``s = f32(f32(sum_i q8_i k_i) * sm_scale)`` with ``k = fp4 * 2^(e - 127)`` (exact)
-  in stored order; ``-inf`` for a token >= seq_len (clamped to [0, max_blocks * block_size])
+  over the rotated dims; ``-inf`` for a token >= seq_len (clamped to [0, max_blocks * block_size])
   or in a block-table entry outside [0, num_blocks). Masked tokens' V are 0 (the kernel never
   loads them).
 * Per tile, in order: ``M' = max(M, max_t s_t)``; ``alpha = exp2((M - M') log2e)`` (1 while
@@ -55,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sparse_mla.emulation._arith import e4m3, exp2, narrow, rounded
-from jax_sparse_mla.formats import UQ_HEAD_DIM, UQ_STORED_SOURCE, _unpack_slots
+from jax_sparse_mla.formats import UQ_HEAD_DIM, _unpack_slots
 from jax_sparse_mla.reference.attention import ceil_div
 
 TILE = 16  # tokens per online-softmax step (one MFMA tile)
@@ -68,7 +69,7 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 def rotate_query(q: jax.Array) -> jax.Array:
     """The kernel's query: f32 butterflies (strides 1 .. 128), / 16, clamp +-448, e4m3 (RNE),
-    in the stored (permuted) order of K.
+    in natural rotated order (the order of the stored K).
 
     Args:
       q: [..., 256] float (bf16 in the op).
@@ -84,8 +85,7 @@ def rotate_query(q: jax.Array) -> jax.Array:
         x = jnp.stack([a + b, a - b], axis=-2)
         stride *= 2
     x = x.reshape(*lead, UQ_HEAD_DIM) * jnp.float32(1.0 / 16.0)
-    q8 = e4m3(jnp.clip(x, -FP8_MAX, FP8_MAX))
-    return q8[..., UQ_STORED_SOURCE]
+    return e4m3(jnp.clip(x, -FP8_MAX, FP8_MAX))
 
 
 def _tile_sum(p: jax.Array) -> jax.Array:

@@ -1,10 +1,11 @@
 """gfx950 diagnostic kernel: one scaled MFMA 16x16x128 on operands given lane by lane.
 
 The kernels assume operand and scale layouts of ``v_mfma_scale_f32_16x16x128_f8f6f4`` that no
-machine of this project could check (``sparse_mla`` / ``mla_decode`` after seed 000 for e4m3 x
-e4m3, ``ultraquant`` after seed 002 for e2m1 x e4m3; BUILD.md). This kernel runs exactly one
-such MFMA on raw per-lane registers, so that an MI355 test can compare its result with each
-assumption (``tests/test_gfx950.py::test_mfma_operand_layouts``).
+machine of this project could check (each operand by its own bit width: 8-bit split, 4-bit
+contiguous; ``sparse_mla`` / ``mla_decode`` for e4m3 x e4m3, ``ultraquant`` for e2m1 x e4m3;
+BUILD.md). This kernel runs exactly one such MFMA on raw per-lane registers, so that an MI355
+test can compare its result with each assumption
+(``tests/test_gfx950.py::test_mfma_operand_layouts_*``).
 
 One wave (grid (1, 1, 1), block (64, 1, 1)); lane ``l``:
 

@@ -13,20 +13,40 @@ keys of partition p and writes one partial.
    8, 16 inside the lane, then 32, 64, 128 through ds_swizzle (xor 1, 2, 4 of c); times 1/16
    (exact); clamped to [-448, 448]; rounded to e4m3fn by cvt_pk_fp8_f32 (round to nearest
    even; the instruction itself does not saturate: overflow gives NaN, hence the clamp);
-   stored as bytes to LDS at position dest(d) = (d&0x8F)|((d>>2)&0x10)|((d<<1)&0x60), the
-   column permutation ``ultraquant_store`` applies to K. Rows G..15 of the 16-row MFMA tile
-   are zero. G=16 runs the lane map twice.
+   stored as bytes to its LDS row at byte dest(d) = (d&0x8F)|((d>>2)&0x10)|((d<<1)&0x60).
+   Rows G..15 of the 16-row MFMA tile are zero. G=16 runs the lane map twice. dest is where
+   the QK MFMA's e4m3 B operand needs rotated dim d = 128h + k (k < 128: its K index in MFMA
+   h) when lane group g reads the 32 contiguous bytes 128h + 32g .. +31: in the 8-bit operand
+   layout (step 2) byte j < 16 of lane group g is K 16g + j and byte 16 + j is K 64 + 16g + j,
+   so K index k sits at byte 32*((k>>4)&3) + 16*(k>>6) + (k&15), which is dest(k). The
+   permutation belongs to q alone: K is stored in natural rotated order.
 2. QK: per 16-token tile, two scaled MFMAs v_mfma_scale_f32_16x16x128_f8f6f4 (A = the K FP4
-   codes, loaded from memory straight into the operand layout: lane l holds token l&15, stored
-   32-group 4h + (l>>4); B = the e4m3 q; scale_a = the group's UE8M0 byte, scale_b = 0x7F = 1),
-   f32 accumulation: raw = sum_i fp4_i * 2^(e_g - 127) * q8_i. Score s = f32(raw * sm_scale);
-   -inf for a token >= seq_len or in a block-table entry outside [0, num_blocks).
-   Operand layout assumed (seed 002's): lane group g = l>>4 holds the 32 CONTIGUOUS K values
-   32g .. 32g+31 of both the FP4 A and the e4m3 B operand, with one scale per lane group. The
-   fp8 x fp8 kernels (sparse_mla, mla_decode) assume, after seed 000, that an 8-bit operand's
-   bytes 0-15 sit at K 16g.. and 16-31 at K 64+16g... Both can hold only if the hardware lays an
-   operand out by its own format and the mixed FP4 x E4M3 case follows the FP4 one; this is
-   unverified here and is the first thing an MI355 test must pin (one MFMA, known operands).
+   codes as ``ultraquant_store`` writes them, natural rotated order, loaded from memory
+   straight into the operand: lane l holds token l&15, rotated dims 128h + 32(l>>4) .. +31 =
+   32-group 4h + (l>>4); B = the e4m3 q; scale_a = that group's UE8M0 byte, scale_b = 0x7F = 1),
+   f32 accumulation: raw = sum_d fp4_d * 2^(e_g - 127) * q8_d over the rotated dims d. Score
+   s = f32(raw * sm_scale); -inf for a token >= seq_len or in a block-table entry outside
+   [0, num_blocks).
+   Operand layout assumed: the scaled MFMA lays out each operand by its own bit width. A 4-bit
+   (e2m1) operand holds 32 contiguous K values 32g .. 32g+31 in lane group g (bytes 0-15, low
+   nibble first); an 8-bit (e4m3) operand holds bytes 0-15 at K 16g .. and bytes 16-31 at
+   K 64+16g .. (the layout sparse_mla and mla_decode use for both operands); the E8M0 scale of
+   lane group g covers K 32g .. 32g+31. Evidence, three independent sources:
+   - AMD's ROCm blog "Matrix Core Programming on AMD CDNA3 and CDNA4 architecture"
+     (https://rocm.blogs.amd.com/software-tools-optimization/matrix-cores-cdna/README.html,
+     source ROCm/rocm-blogs blogs/software-tools-optimization/matrix-cores-cdna/README.md):
+     its scaled-MFMA operand tables (32x32x64) give an FP8 lane 16 bytes at K 16(l/32) .. and
+     16 bytes 32 K further, "valid only if both input matrices A and B have FP8 type", and an
+     FP4 lane 32 contiguous K values 32(l/32) ..;
+   - FlyDSL's working mixed FP8 x FP4 MoE GEMM (ROCm/FlyDSL kernels/mega_moe/gemm_util.py):
+     one MFMA_Scale(16, 16, 128, e4m3 A, e2m1 B) whose FP8 A is loaded per lane as
+     "16@K + 16@K+64" and whose FP4 B is 16 contiguous bytes per lane;
+   - AMD's ISA emulator (rocjitsu in ROCm/rocm-systems, amdgpu/shared/mma/layout.h) locates each
+     operand of the scaled f8f6f4 MFMA by its own element width: sub-byte formats pack
+     contiguously, only 8-bit elements use the two-chunk layout.
+   No machine of this project ran it: tests/test_gfx950.py::test_mfma_operand_layouts_e2m1_e4m3
+   checks it on an MI355 with the probe kernel (probe.py), and tests/test_emulation_ultraquant.py
+   ::test_kernel_layout models this MFMA operand by operand on the CPU.
 3. Online softmax per 16-token tile and query row, natural-log units, f32:
    M' = max(M, max_t s_t); alpha = exp2((M - M') * log2e) (1 while M = -inf);
    p_t = exp2((s_t - M') * log2e) (0 while M' = -inf); tile sum ((p0+p1)+p2)+p3 per 4-token
@@ -268,8 +288,8 @@ def _q_store_offset(row, chunk):
 
 
 def _q_operand_offset(lane, h: int):
-    """LDS byte of lane l's B operand of QK MFMA h: q row l&15, stored dims
-    128h + 32*(l>>4) .. +31 (32 e4m3 bytes)."""
+    """LDS byte of lane l's B operand of QK MFMA h: q row l&15, bytes 128h + 32*(l>>4) .. +31
+    (32 e4m3; which rotated dims they hold: see _dest_base)."""
     return (lane & 15) * Q_ROW_BYTES + (lane >> 4) * 32 + h * 128
 
 
@@ -301,8 +321,8 @@ def _k_lane_offset(lane, stride_pos):
 
 
 def _k_codes_offset(k_off, h: int):
-    """Byte of the A operand of QK MFMA h: 32 FP4 codes = stored K dims 128h + 32*(l>>4) .. +31
-    of token l&15 (``k_off`` from _k_lane_offset)."""
+    """Byte of the A operand of QK MFMA h: 32 FP4 codes = rotated K dims 128h + 32*(l>>4) ..
+    +31 of token l&15 (``k_off`` from _k_lane_offset)."""
     return k_off + K_CODES + 64 * h
 
 
@@ -431,7 +451,8 @@ def _stage_rotated_q(lds, q_rsrc, lane, group_size: int, stride_q_head) -> None:
 
 def _q_operands(lds, lane) -> list:
     """The two B operands (vector<8 x i32>, 32 e4m3 each) of the QK MFMAs: q row lane&15,
-    stored dims 128h + 32*(lane>>4) .. +31."""
+    LDS bytes 128h + 32*(lane>>4) .. +31 (rotated dims 128h + 16(lane>>4) .. +15 and
+    128h + 64 + 16(lane>>4) .. +15)."""
     return [
         fx.Vector(_lds_load(lds, _q_operand_offset(lane, h), T.vec(8, T.i32), 16)) for h in range(2)
     ]
