@@ -98,6 +98,12 @@ def check_scalar(op: str, name: str, value) -> jax.Array:
     raise TypeError(f"{op}: {name} must be a real scalar, got {type(value).__name__}")
 
 
+def as_jax(*xs) -> tuple[jax.Array, ...]:
+    """The array arguments as jax arrays (numpy arrays are accepted wherever a jax array is,
+    inside and outside ``jax.jit``); called after the static checks."""
+    return tuple(jnp.asarray(x) for x in xs)
+
+
 def is_concrete(*xs) -> bool:
     """True when every argument holds concrete values (no tracer), so data checks can run."""
     return not any(isinstance(x, jax.core.Tracer) for x in xs)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sparse_mla._checks import check_array, check_equal, check_scalar
+from jax_sparse_mla._checks import as_jax, check_array, check_equal, check_scalar
 
 # fp8_ds_mla record layout.
 LATENT_DIM = 512
@@ -76,13 +76,13 @@ def _abs_max_bits(x: jax.Array, axis: int) -> jax.Array:
 def _to_bytes(x: jax.Array) -> jax.Array:
     """[..., n] array of a 2- or 4-byte dtype -> [..., n * itemsize] uint8 (little-endian)."""
     b = jax.lax.bitcast_convert_type(x, jnp.uint8)
-    return b.reshape(*x.shape[:-1], -1)
+    return b.reshape(*x.shape[:-1], x.shape[-1] * np.dtype(x.dtype).itemsize)
 
 
 def _from_bytes(b: jax.Array, dtype) -> jax.Array:
     """[..., n * itemsize] uint8 -> [..., n] of ``dtype``."""
     size = np.dtype(dtype).itemsize
-    return jax.lax.bitcast_convert_type(b.reshape(*b.shape[:-1], -1, size), dtype)
+    return jax.lax.bitcast_convert_type(b.reshape(*b.shape[:-1], b.shape[-1] // size, size), dtype)
 
 
 def _e4m3_codes(x: jax.Array) -> jax.Array:
@@ -137,7 +137,7 @@ def pack_fp8_ds_mla(latent: jax.Array, rope: jax.Array) -> jax.Array:
     check_equal(
         op, "token counts", latent.shape[0], rope.shape[0], "latent and rope need one row per token"
     )
-    return _pack_records(latent, rope)
+    return _pack_records(*as_jax(latent, rope))
 
 
 def _pack_records(latent: jax.Array, rope: jax.Array) -> jax.Array:
@@ -158,7 +158,7 @@ def unpack_fp8_ds_mla(records: jax.Array) -> tuple[jax.Array, jax.Array]:
     check_array(
         "unpack_fp8_ds_mla", "records", records, dtypes=[jnp.uint8], last_dims=(RECORD_BYTES,)
     )
-    return _unpack_records(records)
+    return _unpack_records(jnp.asarray(records))
 
 
 def _unpack_records(records: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -215,6 +215,7 @@ def concat_and_cache_ds_mla(
     op = "concat_and_cache_ds_mla"
     check_array(op, "cache", cache, dtypes=[jnp.uint8], min_ndim=2, last_dims=(RECORD_BYTES,))
     _check_token_batch(op, latent, rope, slot_mapping)
+    cache, latent, rope, slot_mapping = as_jax(cache, latent, rope, slot_mapping)
     flat = cache.reshape(-1, RECORD_BYTES)
     return _scatter_rows(flat, slot_mapping, _pack_records(latent, rope)).reshape(cache.shape)
 
@@ -250,6 +251,7 @@ def concat_and_cache_mla(
     check_array(op, "cache", cache, dtypes=[jnp.float8_e4m3fn, jnp.uint8], shape=(None, KV_DIM))
     _check_token_batch(op, latent, rope, slot_mapping)
     s = check_scalar(op, "scale", scale)
+    cache, latent, rope, slot_mapping = as_jax(cache, latent, rope, slot_mapping)
     x = jnp.concatenate([latent.astype(jnp.float32), rope.astype(jnp.float32)], axis=-1)
     codes = _e4m3_codes(x / s)
     if cache.dtype == jnp.float8_e4m3fn:
@@ -371,7 +373,7 @@ def ultraquant_unpack(cache: jax.Array) -> tuple[jax.Array, jax.Array]:
             f"ultraquant_unpack: cache slots must hold >= {UQ_SLOT_CONTENT_BYTES} bytes, "
             f"got {cache.shape[-1]}"
         )
-    return _unpack_slots(cache)
+    return _unpack_slots(jnp.asarray(cache))
 
 
 def _unpack_slots(slots: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -420,6 +422,7 @@ def ultraquant_store(
     _check_float(op, "k", k)
     _check_float(op, "v", v)
     check_array(op, "slot_mapping", slot_mapping, dtypes=[jnp.int32], shape=(k.shape[0],))
+    cache, k, v, slot_mapping = as_jax(cache, k, v, slot_mapping)
     k_codes, k_scales = ultraquant_quantize(ultraquant_rotate(k))
     v_codes, v_scales = ultraquant_quantize(v.astype(jnp.float32))
     content = jnp.concatenate([k_codes, k_scales, v_codes, v_scales], axis=-1)  # [T, Hk, 272]

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sparse_mla._checks import (
+    as_jax,
     check_array,
     check_csr,
     check_equal,
@@ -31,7 +32,7 @@ from jax_sparse_mla.ffi.calls import (
     mla_decode_partials_flydsl,
     mla_decode_unsupported,
 )
-from jax_sparse_mla.formats import KV_DIM
+from jax_sparse_mla.formats import KV_DIM, LATENT_DIM
 from jax_sparse_mla.kernels.pallas._common import hopper_or
 from jax_sparse_mla.kernels.pallas.merge import merge_partials_pallas
 from jax_sparse_mla.kernels.pallas.mla_decode import (
@@ -163,7 +164,8 @@ def mla_decode(
     Request r's keys, in position order, are ``kv[kv_indices[kv_indptr[r]:kv_indptr[r+1]]]``;
     K = code * k_scale (576 dims), V = code[:, :512] * v_scale. Position i of request r sees
     key positions ``j <= seq_len_r - qlen + i``. Indices outside [0, tokens) are masked; a row
-    with no visible key gives out 0 and lse -inf.
+    with no visible key gives out 0 and lse -inf. Every argument may be a jax or a numpy array;
+    zero-size inputs (0 requests, heads, indices or tokens) give the empty or no-key result.
 
     Args:
       q: [B * qlen, H, 576] bfloat16; row r * qlen + i is position i of request r.
@@ -190,7 +192,10 @@ def mla_decode(
         op, q, kv, kv_indices, kv_indptr, qlen, k_scale, v_scale, sm_scale, validate
     )
     impl = resolve_implementation(op, implementation, _IMPLEMENTATIONS)
-    out, lse = impl.decode(*args, **kw, num_splits=num_splits)
+    if _empty(*args):
+        out, lse = _no_keys(q.shape[0], q.shape[1])
+    else:
+        out, lse = impl.decode(*args, **kw, num_splits=num_splits)
     return (out, lse) if return_lse else out
 
 
@@ -225,8 +230,23 @@ def mla_decode_partials(
         op, q, kv, kv_indices, kv_indptr, qlen, k_scale, v_scale, sm_scale, validate
     )
     impl = resolve_implementation(op, implementation, _IMPLEMENTATIONS)
+    if _empty(*args):
+        return _no_keys(q.shape[0], q.shape[1], num_splits)
     o_parts, lse_parts = impl.partials(*args, **kw, num_splits=num_splits)
     return o_parts.astype(jnp.bfloat16), lse_parts
+
+
+def _empty(q, codes, kv_indices, kv_indptr) -> bool:
+    """True when no query row can see a key (nothing to compute or launch)."""
+    return q.size == 0 or codes.size == 0 or kv_indices.size == 0
+
+
+def _no_keys(rows: int, heads: int, *splits: int) -> tuple[jax.Array, jax.Array]:
+    """o 0 [rows, *splits, H, 512] bf16 and lse -inf [rows, *splits, H] f32."""
+    return (
+        jnp.zeros((rows, *splits, heads, LATENT_DIM), jnp.bfloat16),
+        jnp.full((rows, *splits, heads), -jnp.inf, jnp.float32),
+    )
 
 
 def _prepare(op, q, kv, kv_indices, kv_indptr, qlen, k_scale, v_scale, sm_scale, validate):
@@ -240,6 +260,7 @@ def _prepare(op, q, kv, kv_indices, kv_indptr, qlen, k_scale, v_scale, sm_scale,
             op, "sm_scale", DEFAULT_SM_SCALE if sm_scale is None else sm_scale
         ),
     }
+    q, kv, kv_indices, kv_indptr = as_jax(q, kv, kv_indices, kv_indptr)
     if validate:
         run_data_check(_check_data, kv_indices, kv_indptr, np.int32(kv.shape[0]))
     codes = kv if kv.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(kv, jnp.uint8)
@@ -309,5 +330,5 @@ def merge_attn_states(
             f"{op}: o_parts needs at least one partial (S >= 1), got shape {list(o_parts.shape)}"
         )
     impl = resolve_implementation(op, implementation, _IMPLEMENTATIONS)
-    o, lse = impl.combine(o_parts, lse_parts)
+    o, lse = impl.combine(*as_jax(o_parts, lse_parts))
     return (o, lse) if return_lse else o

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sparse_mla._checks import (
+    as_jax,
     check_array,
     check_csr,
     check_index_range,
@@ -19,7 +20,7 @@ from jax_sparse_mla.ffi.calls import gfx950_or, sparse_mla_flydsl, sparse_mla_un
 from jax_sparse_mla.formats import KV_DIM, MAX_KERNEL_SCALE, RECORD_BYTES, SCALES_OFFSET
 from jax_sparse_mla.kernels.pallas._common import hopper_or
 from jax_sparse_mla.kernels.pallas.sparse_mla import sparse_mla_kernel, sparse_mla_pallas
-from jax_sparse_mla.reference.sparse_mla import sparse_mla_xla
+from jax_sparse_mla.reference.sparse_mla import no_keys, sparse_mla_xla
 
 DEFAULT_SM_SCALE = KV_DIM**-0.5
 
@@ -68,7 +69,9 @@ def sparse_mla(
     ``out[r, h] = softmax_k(sm_scale * q[r, h]·K_k) @ V_k`` over the rows
     ``idx[indptr[r]:indptr[r+1]]`` of ``kv``, with K = latent ‖ rope (576) and V = latent (512).
     Entries < 0 or >= the number of kv rows are masked (never read); a row with no unmasked key
-    gives out 0 and lse -inf. A row with ``indptr[r+1] < indptr[r]`` is empty.
+    gives out 0 and lse -inf. A row with ``indptr[r+1] < indptr[r]`` is empty. Every argument
+    may be a jax or a numpy array; zero-size inputs (0 rows, heads, entries or records) give
+    the empty or no-key result.
 
     Args:
       q: [n_q, H, 576] bfloat16.
@@ -91,9 +94,13 @@ def sparse_mla(
     _check_static(op, q, kv, idx, indptr)
     impl = resolve_implementation(op, implementation, _IMPLEMENTATIONS)
     scale = check_scalar(op, "sm_scale", DEFAULT_SM_SCALE if sm_scale is None else sm_scale)
+    q, kv, idx, indptr = as_jax(q, kv, idx, indptr)
     if validate:
         run_data_check(_check_data, kv, idx, indptr)
-    out, lse = impl(q, kv, idx, indptr, sm_scale=scale, return_lse=return_lse)
+    if q.size == 0 or kv.size == 0 or idx.size == 0:  # no key anywhere: no kernel launch
+        out, lse = no_keys(q.shape[0], q.shape[1])
+    else:
+        out, lse = impl(q, kv, idx, indptr, sm_scale=scale, return_lse=return_lse)
     return (out, lse) if return_lse else out
 
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sparse_mla._checks import (
+    as_jax,
     check_array,
     check_index_range,
     check_positive_int,
@@ -61,7 +62,8 @@ def ultraquant_decode(
     slot ``(block_tables[b, j // block_size], j % block_size)``. The rotation of K is cancelled
     by rotating q inside the op, so the output is in V's own space. A block-table entry outside
     [0, num_blocks) masks its tokens; ``seq_lens`` is clamped to [0, max_blocks * block_size]; a
-    request with no key gives 0.
+    request with no key gives 0. Every argument may be a jax or a numpy array; zero-size inputs
+    (0 requests, query heads, blocks or block slots) give the empty or zero result.
 
     Args:
       q: [B, Hq, 256] bfloat16, not rotated.
@@ -85,10 +87,13 @@ def ultraquant_decode(
     check_positive_int(op, "num_partitions", num_partitions, allow_none=True)
     scale = check_scalar(op, "sm_scale", sm_scale)
     impl = resolve_implementation(op, implementation, _IMPLEMENTATIONS)
+    q, cache, block_tables, seq_lens = as_jax(q, cache, block_tables, seq_lens)
     if validate:
         run_data_check(
             _check_data, block_tables, seq_lens, np.int32(cache.shape[0]), np.int32(cache.shape[1])
         )
+    if q.size == 0 or cache.size == 0:  # no key anywhere: nothing to compute or launch
+        return jnp.zeros(q.shape, jnp.bfloat16)
     return impl(q, cache, block_tables, seq_lens, sm_scale=scale, num_partitions=num_partitions)
 
 
@@ -97,7 +102,7 @@ def _check_static(op, q, cache, block_tables, seq_lens) -> None:
     check_ultraquant_cache(op, cache)
     b, hq, _ = q.shape
     hk = cache.shape[2]
-    if hk == 0 or hq % hk:
+    if (hk == 0 and hq != 0) or (hk != 0 and hq % hk):
         raise ValueError(
             f"{op}: q's head count ({hq}) must be a multiple of the cache's KV heads ({hk})"
         )
