@@ -1,8 +1,20 @@
-"""The implementations the shared op suites run against on this machine.
+"""The implementations the shared op suites run against on this machine, and each one's tolerance.
 
-Every op suite is parametrized over ``available()``: the exact "xla" path, the gfx950
-emulation, "pallas" (compiled on a CUDA GPU, Pallas interpret mode elsewhere) and, on an MI355
-(gfx950) only, the "flydsl" kernels.
+Every op suite (test_sparse_mla, test_mla_decode, test_ultraquant, test_transforms,
+test_properties, test_memory) is parametrized over ``available()``: the exact "xla" path, the
+gfx950 emulation, "pallas" (compiled on a CUDA GPU, Pallas interpret mode elsewhere) and, on an
+MI355 (gfx950) only, the "flydsl" kernels. Each is checked against the float64 oracle
+(tests/oracle.py) with its own derived bound:
+
+* "xla": ``oracle.check_attention`` (the bf16 output rounding on top of float32 arithmetic);
+* "pallas": ``pallas_checks.check_kernel_attention`` (that plus ``2^-8 max|V|`` for P in bf16);
+* "gfx950_emulation" and "flydsl": the bounds that tests/test_emulation_*.py derive from the
+  emulation's arithmetic, which the kernels share (``expected`` for sparse_mla,
+  ``expected_partials`` / ``merged_bound`` / ``merge_bound`` for mla_decode and the merge,
+  ``oracle_on`` the kernel's query for ultraquant_decode).
+
+``default()`` is what ``implementation=None`` picks here; tests about None check its output
+with that implementation's tolerance.
 """
 
 from __future__ import annotations
@@ -10,8 +22,21 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
+import jax_sparse_mla as jsm
 from jax_sparse_mla.ffi import is_gfx950
+from jax_sparse_mla.ffi.calls import default_num_partitions, default_num_splits
+from jax_sparse_mla.kernels.pallas._common import _cuda_devices_supported
+from tests import oracle as O
+from tests import test_emulation_mla_decode as DE
+from tests import test_emulation_sparse_mla as SE
+from tests import test_emulation_ultraquant as UE
+from tests.pallas_checks import check_kernel_attention
+
+GFX950 = ("gfx950_emulation", "flydsl")  # share the emulation's bounds
 
 
 @functools.cache
@@ -23,7 +48,178 @@ def has_gfx950() -> bool:
 
 
 @functools.cache
+def has_cuda() -> bool:
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
+@functools.cache
 def available() -> tuple[str, ...]:
     """The implementation names that run on this machine, "xla" first."""
     names = ("xla", "gfx950_emulation", "pallas")
     return (*names, "flydsl") if has_gfx950() else names
+
+
+@functools.cache
+def default() -> str:
+    """What ``implementation=None`` runs here: "flydsl" on an MI355, "pallas" on a Hopper (or
+    newer) NVIDIA GPU, "xla" elsewhere."""
+    if has_gfx950():
+        return "flydsl"
+    return "pallas" if has_cuda() and _cuda_devices_supported() else "xla"
+
+
+def interpreted(impl: str) -> bool:
+    """True for "pallas" off CUDA (Pallas interpret mode: slow, so suites use smaller shapes)."""
+    return impl == "pallas" and not has_cuda()
+
+
+def scale_arg(impl: str, x: float):
+    """A k_scale / v_scale / sm_scale argument: a 0-d array (traced under jit) except for
+    "flydsl", whose kernels take static scales."""
+    return float(x) if impl == "flydsl" else jnp.float32(x)
+
+
+def _f64(x) -> np.ndarray:
+    return O.to_f64(x)
+
+
+def _attention_check(impl: str):
+    return check_kernel_attention if impl == "pallas" else O.check_attention
+
+
+# ---------------------------------------------------------------------------------------------
+# sparse_mla
+# ---------------------------------------------------------------------------------------------
+
+
+def check_sparse(impl: str, case, out, lse=None, what="sparse_mla") -> None:
+    """sparse_mla's (out, lse or None) for ``case`` (tests/cases.SparseCase) against the oracle."""
+    what = f"{what} [{impl}]"
+    if impl in GFX950:
+        ref, ref_lse, tol, lse_tol = SE.expected(case)
+        if lse is not None:
+            SE.check(_f64(out), _f64(lse), ref, ref_lse, tol, lse_tol, what)
+        else:
+            O.assert_within(out, ref, tol, what)
+            assert np.all(_f64(out)[np.isneginf(ref_lse)] == 0), f"{what}: rows without keys"
+        return
+    ref, ref_lse, st = O.sparse_mla(case.q, case.kv, case.idx, case.indptr, case.sm_scale, True)
+    _attention_check(impl)(out, ref, st, lse, ref_lse, what=what)
+
+
+# ---------------------------------------------------------------------------------------------
+# mla_decode
+# ---------------------------------------------------------------------------------------------
+
+
+def decode_splits(impl: str, case, num_splits: int | None) -> int:
+    """The splits ``mla_decode(..., num_splits=num_splits)`` of a gfx950 implementation uses."""
+    if num_splits is not None:
+        return num_splits
+    if impl == "flydsl":
+        return default_num_splits(case.q, case.kv_indices, case.kv_indptr, case.qlen)
+    return 1
+
+
+def decode_partials(impl: str, case, num_splits: int):
+    """``mla_decode_partials`` of ``case`` (tests/cases.DecodeCase), jitted."""
+    fn = jax.jit(
+        functools.partial(
+            jsm.mla_decode_partials, qlen=case.qlen, k_scale=scale_arg(impl, case.k_scale),
+            v_scale=scale_arg(impl, case.v_scale), sm_scale=case.sm_scale,
+            num_splits=num_splits, implementation=impl,
+        )
+    )  # fmt: skip
+    return fn(case.q, case.kv, jnp.asarray(case.kv_indices), jnp.asarray(case.kv_indptr))
+
+
+def _decode_oracle(case, num_splits=None):
+    return O.mla_decode(
+        case.q, case.kv_codes, case.kv_indices, case.kv_indptr, case.qlen, case.k_scale,
+        case.v_scale, case.sm_scale, num_splits=num_splits, stats=True,
+    )  # fmt: skip
+
+
+def check_decode(impl: str, case, out, lse, num_splits=None, what="mla_decode") -> None:
+    """mla_decode's (out, lse) against the oracle. For the gfx950 implementations the bound is
+    that of merging their own partials (computed here with the splits the decode used)."""
+    what = f"{what} [{impl}]"
+    if impl in GFX950:
+        s = decode_splits(impl, case, num_splits)
+        o_p, lse_p = decode_partials(impl, case, s)
+        DE.check(_f64(out), _f64(lse), *DE.merged_bound(case, s, _f64(o_p), _f64(lse_p)), what)
+        return
+    ref, ref_lse, st = _decode_oracle(case)
+    _attention_check(impl)(out, ref, st, lse, ref_lse, what=what)
+
+
+def check_partials(impl: str, case, num_splits: int, o_parts, lse_parts, what="partials"):
+    """mla_decode_partials' (o_parts, lse_parts) against the oracle's partials; the full row's
+    stats bound every split's (more keys, larger max|V| and score_abs)."""
+    what = f"{what} [{impl}]"
+    n, h = case.q.shape[:2]
+    assert o_parts.shape == (n, num_splits, h, 512) and lse_parts.shape == (n, num_splits, h)
+    assert o_parts.dtype == jnp.bfloat16 and lse_parts.dtype == jnp.float32
+    if impl in GFX950:
+        exp = DE.expected_partials(case, num_splits)
+        DE.check(_f64(o_parts), _f64(lse_parts), *exp, what)
+        return
+    ref, ref_lse, st = _decode_oracle(case, num_splits)
+    _attention_check(impl)(
+        _f64(o_parts).reshape(n * num_splits, h, 512), ref.reshape(n * num_splits, h, 512),
+        [x for x in st for _ in range(num_splits)], _f64(lse_parts).reshape(n * num_splits, h),
+        ref_lse.reshape(n * num_splits, h), what=what,
+    )  # fmt: skip
+
+
+def merge_tolerance(impl: str, o_parts, lse_parts, ref, ref_lse):
+    """(tol, lse_tol) of merge_attn_states against ``oracle.merge_attn_states``.
+
+    "xla" / "pallas": f32 weights, ~ a few 2^-24 relative on each term (``2^-20 max_s |o_s|``),
+    plus the output rounding when o_parts is bf16 (``2^-8 |ref|``); lse ``2^-21 (|lse| + 1)``.
+    gfx950: the emulated combine's bound (``merge_bound``, bf16 output whatever the input)."""
+    o64, l64 = _f64(o_parts), _f64(lse_parts)
+    live = np.isfinite(l64)[..., None]
+    o64 = np.where(live, o64, 0.0)
+    if impl in GFX950:
+        return DE.merge_bound(o64, l64, ref, ref_lse)
+    rel = 2.0**-8 if o_parts.dtype == jnp.bfloat16 else 0.0
+    tol = rel * np.abs(ref) + 2.0**-20 * np.max(np.abs(o64), axis=1)
+    return tol, 2.0**-21 * (np.abs(np.where(np.isfinite(ref_lse), ref_lse, 0.0)) + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# ultraquant_decode
+# ---------------------------------------------------------------------------------------------
+
+
+def uq_partitions(impl: str, case, num_partitions: int | None) -> int:
+    """The partitions ``ultraquant_decode(..., num_partitions=...)`` of a gfx950 implementation
+    uses (its bound depends on whether partials are rounded to bf16 before the reduce)."""
+    if num_partitions is not None:
+        return num_partitions
+    if impl == "flydsl":
+        _, bs, hk, _ = case.cache.shape
+        return default_num_partitions(case.q.shape[0], hk, case.block_tables.shape[1] * bs)
+    return 1
+
+
+def check_uq(impl: str, case, out, sm_scale=1 / 16, num_partitions=None, what="ultraquant"):
+    """ultraquant_decode's output for ``case`` (tests/cases.UQCase) against the oracle; the
+    gfx950 implementations against the oracle on their own (haircut) query."""
+    what = f"{what} [{impl}]"
+    assert out.dtype == jnp.bfloat16 and out.shape == case.q.shape
+    if impl in GFX950:
+        ref = UE.oracle_on(UE.kernel_query(case.q), case, sm_scale)
+        UE.check(out, ref, uq_partitions(impl, case, num_partitions), what)
+        return
+    ref, _, st = O.ultraquant_decode(case.q, case.cache, case.block_tables, case.seq_lens,
+                                     sm_scale, stats=True)  # fmt: skip
+    g = case.q.shape[1] // case.cache.shape[2]
+    _attention_check(impl)(out, ref, st, heads_per_entry=g, what=what)
+
+
+each = pytest.mark.parametrize("impl", available())  # a test run with every implementation

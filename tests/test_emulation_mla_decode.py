@@ -213,7 +213,10 @@ def test_q_split_exact_and_bounded():
 
 def test_p_split_and_exp2():
     """p_split is e4m3(P) + e4m3((P - hi) 32) / 32 exactly, within the docstring's bound; exp2
-    is exact at integers and within 2 ulp elsewhere; 0 below 2^-126 (and for -1e30)."""
+    is exact at integers and elsewhere within what the bound's ``e_k = (4 + |x|) 2^-24`` leaves
+    after the rounding of x (``ln 2 |x| 2^-24``): ``(4 + 0.3 |x|) 2^-24`` relative. The backend's
+    exp2 of the fraction decides how much of it is used: <= 2 ulp on the CPU, more on the H200
+    for results around 1e-33 and below. 0 below 2^-126 (and for -1e30)."""
     r = C.rng(1)
     p = np.concatenate([r.uniform(0, 256, 20000), 2.0 ** r.uniform(-30, 8, 20000), [0.0, 256]])
     p = p.astype(np.float32)
@@ -225,7 +228,7 @@ def test_p_split_and_exp2():
     x = np.concatenate([r.uniform(-126, 8, 20000), np.arange(-126, 9)]).astype(np.float32)
     e2 = np.asarray(jax.jit(A.exp2)(jnp.asarray(x)), np.float64)
     want = np.exp2(x.astype(np.float64))
-    assert np.all(np.abs(e2 - want) <= 2 * EPS * want)
+    assert np.all(np.abs(e2 - want) <= (4 + 0.3 * np.abs(x.astype(np.float64))) * EPS * want)
     np.testing.assert_array_equal(e2[-135:], want[-135:])
     small = jax.jit(A.exp2)(jnp.float32([-127.5, -1e30, -np.inf]))
     np.testing.assert_array_equal(np.asarray(small), [0.0, 0.0, 0.0])
@@ -388,27 +391,35 @@ def test_merge_random_partials():
     np.testing.assert_array_equal(out_lse[1], lse[1, 0])
 
 
-@pytest.mark.parametrize("name", ["q2_h12_s3_masked", "q4_h1_s16_empty"])
-def test_partials_then_merge(name):
-    """Merging the emulated partials gives full attention within the partials' bounds (each
-    partial's error, its lse error as a weight error) plus the combine's bound."""
-    kw, num_splits, _ = PARTIAL_CASES[name]
-    case = C.decode_case(**kw, as_uint8=True)
-    ref_p, ref_plse, tol_p, lse_tol_p = expected_partials(case, num_splits)
-    out_p, lse_p = run_partials(case, num_splits)
-    out, out_lse = run_merge(jnp.asarray(out_p, jnp.bfloat16), jnp.asarray(lse_p, jnp.float32))
+def merged_bound(case, num_splits, o_p, lse_p):
+    """The full decode's float64 reference and bound when it merges the partials ``o_p, lse_p``
+    (float64 views) of ``num_splits`` splits: each partial's bound, its lse bound as a weight
+    error (weights ``exp(+-dlse)``), plus the combine's bound.
+
+    Returns ref [n, H, 512], ref_lse [n, H], tol, lse_tol.
+    """
+    _, ref_plse, tol_p, lse_tol_p = expected_partials(case, num_splits)
     ref, ref_lse = O.mla_decode(
         case.q, case.kv_codes, case.kv_indices, case.kv_indptr, case.qlen, case.k_scale,
         case.v_scale, case.sm_scale,
     )  # fmt: skip
-    tol_m, lse_tol_m = merge_bound(out_p, lse_p, ref, ref_lse)
+    tol_m, lse_tol_m = merge_bound(o_p, lse_p, ref, ref_lse)
     fin = np.isfinite(ref_plse)
     total = np.where(np.isfinite(ref_lse), ref_lse, 0.0)[:, None]
     w = np.where(fin, np.exp(np.where(fin, ref_plse, 0.0) - total), 0.0)
     dl = np.where(fin, lse_tol_p, 0.0)
-    weight = np.sum(w[..., None] * (tol_p + 2 * np.expm1(2 * dl)[..., None] * np.abs(out_p)), 1)
-    check(out, out_lse, ref, ref_lse, tol_m + (1 + 2.0**-8) * weight,
-          lse_tol_m + dl.max(axis=1), name)  # fmt: skip
+    weight = np.sum(w[..., None] * (tol_p + 2 * np.expm1(2 * dl)[..., None] * np.abs(o_p)), 1)
+    return ref, ref_lse, tol_m + (1 + 2.0**-8) * weight, lse_tol_m + dl.max(axis=1)
+
+
+@pytest.mark.parametrize("name", ["q2_h12_s3_masked", "q4_h1_s16_empty"])
+def test_partials_then_merge(name):
+    """Merging the emulated partials gives full attention within ``merged_bound``."""
+    kw, num_splits, _ = PARTIAL_CASES[name]
+    case = C.decode_case(**kw, as_uint8=True)
+    out_p, lse_p = run_partials(case, num_splits)
+    out, out_lse = run_merge(jnp.asarray(out_p, jnp.bfloat16), jnp.asarray(lse_p, jnp.float32))
+    check(out, out_lse, *merged_bound(case, num_splits, out_p, lse_p), name)
 
 
 # ---------------------------------------------------------------------------------------------

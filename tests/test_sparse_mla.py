@@ -1,4 +1,5 @@
-"""sparse_mla against the float64 oracle."""
+"""sparse_mla against the float64 oracle, every implementation (tests/impls.py) with its own
+tolerance."""
 
 import functools
 
@@ -9,6 +10,7 @@ import pytest
 
 import jax_sparse_mla as jsm
 from tests import cases as C
+from tests import impls
 from tests import oracle as O
 
 
@@ -21,12 +23,12 @@ def _jitted(sm_scale, implementation):
     )
 
 
-def run(case, implementation=None, jit=True):
+def run(case, impl, jit=True):
     if jit:
-        f = _jitted(case.sm_scale, implementation)
+        f = _jitted(case.sm_scale, impl)
     else:
         f = functools.partial(
-            jsm.sparse_mla, sm_scale=case.sm_scale, return_lse=True, implementation=implementation
+            jsm.sparse_mla, sm_scale=case.sm_scale, return_lse=True, implementation=impl
         )
     out, lse = f(case.q, jnp.asarray(case.kv), jnp.asarray(case.idx), jnp.asarray(case.indptr))
     assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
@@ -34,43 +36,46 @@ def run(case, implementation=None, jit=True):
     return out, lse
 
 
-def check(case, out, lse, what="sparse_mla"):
-    ref, ref_lse, st = O.sparse_mla(case.q, case.kv, case.idx, case.indptr, case.sm_scale, True)
-    return O.check_attention(out, ref, st, lse, ref_lse, what=what)
+def check(impl, case, out, lse, what="sparse_mla"):
+    impls.check_sparse(impl, case, out, lse, what)
 
 
+@impls.each
 @pytest.mark.parametrize("h", [1, 12, 16, 128])
-def test_heads(h):
+def test_heads(impl, h):
     case = C.sparse_case(10 + h, n_q=5 if h < 128 else 3, h=h)
-    out, lse = run(case)
-    check(case, out, lse)
+    check(impl, case, *run(case, impl))
 
 
-def test_eager_and_xla_match_default():
+def test_default_is_the_platform_choice():
+    """implementation=None runs what it picks on this machine (impls.default()): the same
+    results, within that implementation's tolerance, jitted and eager."""
     case = C.sparse_case(1, n_q=4, h=2, n_rec=20)
-    out, lse = run(case, jit=False)
-    check(case, out, lse)
-    out2, lse2 = run(case, implementation="xla")
+    out, lse = run(case, None)
+    out2, lse2 = run(case, impls.default())
     np.testing.assert_array_equal(np.asarray(out2, np.float32), np.asarray(out, np.float32))
     np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
+    check(impls.default(), case, out, lse)
+    check(impls.default(), case, *run(case, None, jit=False), "eager")
 
 
+@impls.each
 @pytest.mark.parametrize("kv_lead", [(46,), (2, 23), (2, 23, 1)])
-def test_kv_leading_shapes(kv_lead):
+def test_kv_leading_shapes(impl, kv_lead):
     case = C.sparse_case(2, n_q=4, h=3, n_rec=40, n_nan=6, kv_lead=kv_lead)
-    out, lse = run(case)
-    check(case, out, lse)
+    check(impl, case, *run(case, impl))
 
 
+@impls.each
 @pytest.mark.parametrize("sm_scale,q_scale", [(None, 1.0), (0.5, 1.0), (0.01, 4.0), (0.3, 8.0)])
-def test_scales(sm_scale, q_scale):
+def test_scales(impl, sm_scale, q_scale):
     # includes a very peaky softmax (scores of several hundred)
     case = C.sparse_case(3, n_q=6, h=4, sm_scale=sm_scale, q_scale=q_scale)
-    out, lse = run(case)
-    check(case, out, lse)
+    check(impl, case, *run(case, impl))
 
 
-def test_masking_and_empty_rows():
+@impls.each
+def test_masking_and_empty_rows(impl):
     r = C.rng(4)
     n_rec = 15  # records 12..14 are NaN garbage that no entry references
     kv = C.make_records(r, n_rec, nan_rows=[12, 13, 14])
@@ -89,8 +94,8 @@ def test_masking_and_empty_rows():
     indptr = np.int32(np.cumsum([0] + [len(row) for row in rows]))
     q = C.bf16_normal(r, (len(rows), 4, 576))
     case = C.SparseCase(q, kv, idx, indptr)
-    out, lse = run(case)
-    check(case, out, lse)
+    out, lse = run(case, impl)
+    check(impl, case, out, lse)
     out, lse = np.asarray(out, np.float32), np.asarray(lse)
     for row in (0, 1, 2):
         assert np.all(out[row] == 0) and np.all(np.isneginf(lse[row]))
@@ -99,42 +104,44 @@ def test_masking_and_empty_rows():
     assert not np.allclose(out[5], out[4])
 
 
-def test_indptr_unusual():
+@impls.each
+def test_indptr_unusual(impl):
     # decreasing indptr -> empty row; positions past len(idx) are masked
     case = C.sparse_case(5, n_q=5, h=2, n_rec=30)
     nnz = len(case.idx)
     indptr = np.int32([0, 5, 3, 7, nnz, nnz + 9])
     case.indptr = indptr
-    out, lse = run(case)
-    check(case, out, lse)
+    out, lse = run(case, impl)
+    check(impl, case, out, lse)
     assert np.all(np.isneginf(np.asarray(lse)[1]))
 
 
-def test_indptr_negative_start():
+@impls.each
+def test_indptr_negative_start(impl):
     case = C.sparse_case(6, n_q=3, h=2, n_rec=30, min_len=4)
     case.indptr = np.int32([-3, 2, 2, len(case.idx)])
-    out, lse = run(case)
-    check(case, out, lse)
+    check(impl, case, *run(case, impl))
 
 
-def test_random_csr_structures():
+@impls.each
+def test_random_csr_structures(impl):
     for seed in range(3):
         case = C.sparse_case(100 + seed, n_q=24, h=2, n_rec=50, max_len=60, p_neg=0.2, p_oob=0.1)
-        out, lse = run(case)
-        check(case, out, lse)
+        check(impl, case, *run(case, impl), f"seed {seed}")
 
 
-def test_long_rows():
+@impls.each
+def test_long_rows(impl):
     # a row of 1 key, a row of > 4096 keys, rows of 4095..4097 around a power-of-two tile
     case = C.sparse_case(
         7, n_q=6, h=2, n_rec=300, max_len=8,
         long_rows={0: 1, 1: 5000, 2: 4096, 3: 4097, 4: 129},
     )  # fmt: skip
-    out, lse = run(case)
-    check(case, out, lse)
+    check(impl, case, *run(case, impl))
 
 
-def test_all_nan_unreferenced_only():
+@impls.each
+def test_all_nan_unreferenced_only(impl):
     # every record except the referenced ones is NaN; no row may see it
     r = C.rng(8)
     kv = C.nan_records(64)
@@ -143,11 +150,11 @@ def test_all_nan_unreferenced_only():
     idx = np.int32([3, 17, -1, 64, 40, 41, 3, -1])
     indptr = np.int32([0, 2, 4, 4, 8])
     case = C.SparseCase(C.bf16_normal(r, (4, 16, 576)), kv, idx, indptr)
-    out, lse = run(case)
-    check(case, out, lse)
+    check(impl, case, *run(case, impl))
 
 
-def test_referenced_nan_record_propagates():
+@impls.each
+def test_referenced_nan_record_propagates(impl):
     # Corrupt data that a valid index reaches must surface as NaN in its row only, not be hidden
     # as an empty row (out 0, lse -inf).
     r = C.rng(9)
@@ -156,15 +163,14 @@ def test_referenced_nan_record_propagates():
     idx = np.int32([1, 5, 2, 3])
     indptr = np.int32([0, 2, 4])
     case = C.SparseCase(C.bf16_normal(r, (2, 4, 576)), kv, idx, indptr)
-    out, lse = run(case)
+    out, lse = run(case, impl)
     assert np.isnan(np.asarray(out[0], np.float32)).all() and np.isnan(np.asarray(lse[0])).all()
     clean = C.SparseCase(case.q[1:], kv, idx[2:], np.int32([0, 2]))
-    out1, lse1 = run(clean)
-    check(clean, out1, lse1)
-    np.testing.assert_array_equal(np.asarray(out[1:], np.float32), np.asarray(out1, np.float32))
+    check(impl, clean, out[1:], lse[1:], "the row without the NaN record")
 
 
-def test_dense_to_csr():
+@impls.each
+def test_dense_to_csr(impl):
     r = C.rng(9)
     topk = r.integers(-1, 30, (7, 5)).astype(np.int32)
     idx, indptr = jsm.dense_to_csr(jnp.asarray(topk))
@@ -174,20 +180,20 @@ def test_dense_to_csr():
     kv = C.make_records(r, 30)
     q = C.bf16_normal(r, (7, 2, 576))
     case = C.SparseCase(q, kv, np.asarray(idx), np.asarray(indptr))
-    out, lse = run(case)
-    check(case, out, lse)
+    check(impl, case, *run(case, impl))
 
 
-def test_return_lse_false():
+@impls.each
+def test_return_lse_false(impl):
     case = C.sparse_case(11, n_q=3, h=2)
     out = jsm.sparse_mla(case.q, jnp.asarray(case.kv), jnp.asarray(case.idx),
-                         jnp.asarray(case.indptr))  # fmt: skip
+                         jnp.asarray(case.indptr), implementation=impl)  # fmt: skip
     assert not isinstance(out, tuple) and out.shape == (3, 2, 512)
-    ref, _, st = O.sparse_mla(case.q, case.kv, case.idx, case.indptr, None, True)
-    O.check_attention(out, ref, st)
+    check(impl, case, out, None)
 
 
-def test_large_scales_and_extreme_records():
+@impls.each
+def test_large_scales_and_extreme_records(impl):
     # scale 2^7 records (|latent| up to 57344), zero records (scale 2^-13), tiny records
     r = C.rng(12)
     lat = C.random_latent(r, 16)
@@ -199,8 +205,7 @@ def test_large_scales_and_extreme_records():
     indptr = np.int32([0, 2, 3, 5, 11])
     q = C.bf16_normal(r, (4, 3, 576), 1e-3)
     case = C.SparseCase(q, kv, idx, indptr, sm_scale=0.02)
-    out, lse = run(case)
-    check(case, out, lse)
+    check(impl, case, *run(case, impl))
 
 
 def test_tolerance_catches_bf16_scores():
@@ -208,7 +213,7 @@ def test_tolerance_catches_bf16_scores():
     rounds the output twice (plausible kernel shortcuts), with the same data as the tests."""
     case = C.sparse_case(13, n_q=6, h=4, n_rec=40, max_len=40, min_len=20, p_neg=0, p_oob=0)
     ref, ref_lse, st = O.sparse_mla(case.q, case.kv, case.idx, case.indptr, None, True)
-    out, lse = run(case)
+    out, lse = run(case, "xla")
     O.check_attention(out, ref, st, lse, ref_lse)
     # scores with q.k rounded to bf16 (a bf16 score matmul)
     bad, bad_lse = O.sparse_mla(
@@ -220,7 +225,8 @@ def test_tolerance_catches_bf16_scores():
         O.check_attention(out, ref, st, bad_lse, ref_lse)
 
 
-def test_degenerate_shapes():
+@impls.each
+def test_degenerate_shapes(impl):
     r = C.rng(14)
     q = C.bf16_normal(r, (3, 2, 576))
     kv = C.make_records(r, 5)
@@ -230,9 +236,10 @@ def test_degenerate_shapes():
         (kv[:0], np.int32([0, 1, -1]), np.int32([0, 1, 2, 3])),
     ):
         case = C.SparseCase(q, kv_, idx, indptr)
-        out, lse = run(case, jit=False)
-        check(case, out, lse)
+        out, lse = run(case, impl, jit=False)
+        check(impl, case, out, lse)
         assert np.all(np.isneginf(np.asarray(lse)))
     out, lse = jsm.sparse_mla(q[:0], jnp.asarray(kv), jnp.zeros(0, jnp.int32),
-                              jnp.zeros(1, jnp.int32), return_lse=True)  # fmt: skip
+                              jnp.zeros(1, jnp.int32), return_lse=True,
+                              implementation=impl)  # fmt: skip
     assert out.shape == (0, 2, 512) and lse.shape == (0, 2)
