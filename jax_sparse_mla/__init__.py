@@ -8,6 +8,7 @@ available, ``"xla"`` is the exact jax-native implementation that runs everywhere
 - ``ultraquant_decode``: GQA decode over a 4-bit UltraQuant paged cache.
 
 Record writers and readers live in ``jax_sparse_mla.formats`` and are re-exported here.
+``selfcheck()`` checks the gfx950 kernels on an MI355 against their emulation (``self_check``).
 """
 
 from jax_sparse_mla.ffi import rocm_library
@@ -24,6 +25,7 @@ from jax_sparse_mla.mla_decode import (
     mla_decode_partials,
     validate_mla_decode,
 )
+from jax_sparse_mla.self_check import selfcheck
 from jax_sparse_mla.sparse_mla import (
     dense_to_csr,
     sparse_mla,
@@ -44,6 +46,7 @@ __all__ = [
     "mla_decode",
     "mla_decode_partials",
     "pack_fp8_ds_mla",
+    "selfcheck",
     "sparse_mla",
     "ultraquant_decode",
     "ultraquant_store",

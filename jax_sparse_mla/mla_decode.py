@@ -130,7 +130,7 @@ def _auto(field: str):
     return by_platform(
         default=xla,
         cuda=hopper_or(getattr(_COMPILED, field), xla),
-        rocm=gfx950_or(flydsl, xla, getattr(_FLYDSL_UNSUPPORTED, field)),
+        rocm=gfx950_or("mla_decode", flydsl, xla, getattr(_FLYDSL_UNSUPPORTED, field)),
     )
 
 

@@ -48,7 +48,7 @@ _IMPLEMENTATIONS = {
     None: by_platform(
         default=_XLA,
         cuda=hopper_or(_lse_if(sparse_mla_kernel), _XLA),
-        rocm=gfx950_or(sparse_mla_flydsl, _XLA, sparse_mla_unsupported),
+        rocm=gfx950_or("sparse_mla", sparse_mla_flydsl, _XLA, sparse_mla_unsupported),
     ),
 }
 

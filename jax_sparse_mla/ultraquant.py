@@ -40,7 +40,9 @@ _IMPLEMENTATIONS = {
     None: by_platform(
         default=ultraquant_decode_xla,
         cuda=hopper_or(ultraquant_decode_kernel, ultraquant_decode_xla),
-        rocm=gfx950_or(ultraquant_decode_flydsl, ultraquant_decode_xla, ultraquant_unsupported),
+        rocm=gfx950_or(
+            "ultraquant", ultraquant_decode_flydsl, ultraquant_decode_xla, ultraquant_unsupported
+        ),
     ),
 }
 

@@ -55,7 +55,8 @@ def rocm_library() -> ctypes.CDLL | None:
     if path is None:
         return None
     library = ctypes.CDLL(str(path))
-    missing = [symbol for symbol in TARGETS.values() if not hasattr(library, symbol)]
+    required = (*TARGETS.values(), "jsm_kernel_symbols")
+    missing = [symbol for symbol in required if not hasattr(library, symbol)]
     if missing:
         warnings.warn(
             f"jax_sparse_mla: the FFI library {path} predates this version "
@@ -67,6 +68,34 @@ def rocm_library() -> ctypes.CDLL | None:
         return None
     register_targets(library, "ROCM")
     return library
+
+
+# A target's kernels are the linked symbols ``target`` or ``target_*``, unless named here.
+_KERNEL_PREFIX = {"jsm_ultraquant_partials": "jsm_ultraquant_decode"}
+BUILD_COMMAND = "python -m jax_sparse_mla.build --arch gfx950 --link"
+
+
+@functools.cache
+def library_kernels() -> frozenset[str]:
+    """The symbols of the kernels linked into the FFI library (none without the library, or
+    when it was linked without a kernel build)."""
+    library = rocm_library()
+    if library is None:
+        return frozenset()
+    symbols = library.jsm_kernel_symbols
+    symbols.restype = ctypes.c_char_p
+    return frozenset(symbols().decode().split())
+
+
+def missing_kernels(targets) -> list[str]:
+    """The custom call targets of ``targets`` that have no kernel in the FFI library."""
+    kernels = library_kernels()
+
+    def linked(target: str) -> bool:
+        prefix = _KERNEL_PREFIX.get(target, target)
+        return any(k == prefix or k.startswith(f"{prefix}_") for k in kernels)
+
+    return [t for t in targets if not linked(t)]
 
 
 def rocm_devices() -> list:

@@ -121,8 +121,11 @@ def build_library(
         table.write_text(kernel_table_source(kernels, kernel_dir))
         hip = "hip_record.cc" if recording else "hip_shim.cc"
         sources = [CSRC / s for s in (*HANDLER_SOURCES, hip)] + [table]
-        exports = Path(tmp) / "exports.map"  # only the handlers and the test hooks
-        exports.write_text("{ global: Jsm*; jsm_prepare_launch; jsm_record_take; local: *; };\n")
+        exports = Path(tmp) / "exports.map"  # the handlers, the kernel list, the test hooks
+        exports.write_text(
+            "{ global: Jsm*; jsm_kernel_symbols; jsm_prepare_launch; jsm_record_take;\n"
+            "  local: *; };\n"
+        )
         # Linked next to ``output`` and renamed over it: a process that loaded the old copy
         # keeps its inode (writing into a loaded library in place would corrupt that process).
         partial = output.with_name(f".{output.name}.{os.getpid()}.tmp")

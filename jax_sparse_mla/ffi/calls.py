@@ -31,11 +31,18 @@ _UQ_WORKGROUPS_PER_CU = 12
 
 
 def _call(target: str, results, *args, **attrs):
-    if ffi.rocm_devices() and ffi.rocm_library() is None:
-        raise RuntimeError(
-            "jax_sparse_mla: implementation='flydsl' needs the FFI library, which is not built "
-            "(pip install with a C++ compiler, see BUILD.md)"
-        )
+    if ffi.rocm_devices():
+        if ffi.rocm_library() is None:
+            raise RuntimeError(
+                "jax_sparse_mla: implementation='flydsl' needs the FFI library, which is not "
+                "built (pip install with a C++ compiler, see BUILD.md)"
+            )
+        if ffi.missing_kernels([target]):
+            raise RuntimeError(
+                f"jax_sparse_mla: implementation='flydsl': the FFI library has no {target} "
+                f"kernel ({len(ffi.library_kernels())} kernels linked); build the kernels and "
+                f"relink: {ffi.BUILD_COMMAND}"
+            )
     return jax.ffi.ffi_call(target, results, vmap_method="sequential")(*args, **attrs)
 
 
@@ -58,12 +65,22 @@ def _require(why: str | None, op: str) -> None:
         raise NotImplementedError(f"{op}: implementation='flydsl' cannot run this call: {why}")
 
 
-def gfx950_or(kernel_fn: Callable, fallback: Callable, unsupported: Callable) -> Callable:
-    """The ROCm branch of ``implementation=None``: ``kernel_fn`` when the target is gfx950 and
-    ``unsupported(*args, **options)`` is None, else ``fallback``; decided at trace time."""
+def gfx950_or(
+    family: str, kernel_fn: Callable, fallback: Callable, unsupported: Callable
+) -> Callable:
+    """The ROCm branch of ``implementation=None``: ``kernel_fn`` when the target is gfx950,
+    ``unsupported(*args, **options)`` is None and the kernel ``family`` (a key of
+    ``self_check.FAMILIES``) passed its self-check on this machine's GPU, else ``fallback``;
+    decided at trace time (the self-check runs eagerly, once)."""
 
     def run(*args, **options):
-        if ffi.flydsl_available() and unsupported(*args, **options) is None:
+        from jax_sparse_mla.self_check import kernels_verified  # imports the ops: not at the top
+
+        if (
+            ffi.flydsl_available()
+            and unsupported(*args, **options) is None
+            and kernels_verified(family)
+        ):
             return kernel_fn(*args, **options)
         return fallback(*args, **options)
 
@@ -118,7 +135,8 @@ def mla_decode_partials_flydsl(
     q, kv, kv_indices, kv_indptr, *, qlen, k_scale, v_scale, sm_scale, num_splits
 ):
     """kv: [tokens, 576] uint8 e4m3fn codes -> (o_parts [B*qlen, S, H, 512] bf16,
-    lse_parts [B*qlen, S, H] f32)."""
+    lse_parts [B*qlen, S, H] f32). ``kv_indptr`` is clipped to [0, len(kv_indices)] here (the
+    kernel reads the slice as given), so its cost and causal bounds follow len(kv_indices)."""
     _require(
         mla_decode_unsupported(
             q,
@@ -145,7 +163,7 @@ def mla_decode_partials_flydsl(
             q,
             kv,
             kv_indices,
-            kv_indptr,
+            jnp.clip(kv_indptr, 0, kv_indices.shape[0]),
             qlen=np.int32(qlen),
             **{name: np.float32(_static(value)) for name, value in scales.items()},
         )

@@ -159,6 +159,20 @@ ffi::Error Launch(std::string_view symbol, LaunchArgs& args, int32_t device) {
 
 }  // namespace jsm
 
+// The symbols of the kernels linked into this library, separated by spaces ("" for a library
+// linked without a kernel build): implementation=None uses a kernel family only when it is here.
+extern "C" __attribute__((visibility("default"))) const char* jsm_kernel_symbols() {
+  static const std::string symbols = [] {
+    std::string joined;
+    for (size_t i = 0; i < jsm::kNumKernels; ++i) {
+      if (!joined.empty()) joined += ' ';
+      joined += jsm::kKernels[i].symbol;
+    }
+    return joined;
+  }();
+  return symbols.c_str();
+}
+
 // For the tests: the checks a launch makes before calling the kernel (HIP runtime, kernel
 // lookup, code-object load on `device`). Returns 0, or 1 with the error message in `message`.
 extern "C" __attribute__((visibility("default"))) int jsm_prepare_launch(const char* symbol,
