@@ -172,7 +172,9 @@ def mla_decode(
       kv: [tokens, 576] float8_e4m3fn, or uint8 holding e4m3fn codes. On XLA:CPU a float8
         array is copied once per call before the gathers (XLA widens float8 there); a uint8
         cache (e.g. the one ``concat_and_cache_mla`` writes when given uint8) avoids the copy.
-      kv_indices: [n] int32; kv_indptr: [B + 1] int32.
+      kv_indices: [n] int32; kv_indptr: [B + 1] int32, each entry clipped to [0, n] before
+        anything else (seq_len_r and the causal bounds come from the clipped entries): no value
+        changes the cost (it follows n) or drops a valid key.
       qlen: query positions per request (static).
       k_scale, v_scale: per-tensor dequantization scales (float or 0-d array).
       sm_scale: softmax scale; default 576 ** -0.5.

@@ -77,7 +77,8 @@ def sparse_mla(
       q: [n_q, H, 576] bfloat16.
       kv: [..., 656] uint8 fp8_ds_mla records, any leading shape (read as rows).
       idx: [nnz] int32 record indices, CSR values.
-      indptr: [n_q + 1] int32 CSR row pointers.
+      indptr: [n_q + 1] int32 CSR row pointers, each clipped to [0, nnz]: no value changes the
+        cost (it follows nnz) or drops a valid key.
       sm_scale: softmax scale (float or 0-d array); default 576 ** -0.5.
       return_lse: also return the natural-log LSE of the scaled scores.
       implementation: None (the FlyDSL kernel on gfx950 ROCm GPUs, the Pallas kernel on Hopper

@@ -304,7 +304,7 @@ def to_f64(x) -> np.ndarray:
 
 
 def csr_row_positions(indptr, r: int, nnz: int) -> np.ndarray:
-    a, b = int(indptr[r]), int(indptr[r + 1])
+    a, b = (min(max(int(x), 0), nnz) for x in (indptr[r], indptr[r + 1]))
     if b <= a:
         return np.zeros((0,), dtype=np.int64)
     p = np.arange(a, b, dtype=np.int64)
@@ -348,8 +348,8 @@ def _stats(q, k, v, scale):
 
 def _decode_request_kv(kv_codes, kv_indices, kv_indptr, r, k_scale, v_scale):
     """-> (valid mask [seq_len], K [seq_len, 576], V [seq_len, 512]) in position order."""
-    tokens = kv_codes.shape[0]
-    a, b = int(kv_indptr[r]), int(kv_indptr[r + 1])
+    tokens, n = kv_codes.shape[0], len(kv_indices)
+    a, b = (min(max(int(x), 0), n) for x in (kv_indptr[r], kv_indptr[r + 1]))  # clipped
     ids = np.asarray(kv_indices[a:b]).astype(np.int64) if b > a else np.zeros(0, np.int64)
     valid = (ids >= 0) & (ids < tokens)
     codes = np.asarray(kv_codes, dtype=np.uint8)[np.where(valid, ids, 0)]

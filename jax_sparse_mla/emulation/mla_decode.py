@@ -26,6 +26,10 @@ Partials (per request, split, query row; ``c = (sm_scale * k_scale) * f32(log2 e
   fp8 V codes (masked keys contribute 0).
 * ``o = bf16(O (v_scale / l))``, ``lse = (m8 + log2 l) ln 2``; ``o = 0``, ``lse = -inf`` when
   ``l == 0`` (no visible key).
+* Causal rule (the kernel's way): the NaN V codes of the boundary keys ``j > seq_len - qlen``
+  (hidden from some position, seen by another) are zeroed before P V, and an element of ``o``
+  is NaN when its row sees a boundary key whose code of that latent was NaN. So a hidden key
+  contributes exactly nothing, even a NaN; a seen NaN V code makes the element NaN as before.
 
 Combine (per output row and head, over the S partials in order):
 ``m = max_s lse_s``; all -inf: ``o = 0``, ``lse = -inf``. Else ``w_s = exp2((lse_s - m) log2 e)``,
@@ -98,10 +102,11 @@ def p_split(p: jax.Array) -> jax.Array:
     return hi + lo / LO_FACTOR
 
 
-def split_bounds(kv_indptr: jax.Array, num_splits: int):
-    """Per request: start of its positions in kv_indices, seq_len, and the split length c."""
-    start = kv_indptr[:-1]
-    seq_len = jnp.maximum(kv_indptr[1:] - start, 0)
+def split_bounds(kv_indptr: jax.Array, n: int, num_splits: int):
+    """Per request: start of its positions in kv_indices, seq_len, and the split length c
+    (``kv_indptr`` entries clipped to [0, n], n = len(kv_indices))."""
+    start = jnp.clip(kv_indptr[:-1], 0, n)
+    seq_len = jnp.clip(kv_indptr[1:], start, n) - start
     chunk = BLOCK * ((seq_len + BLOCK * num_splits - 1) // (BLOCK * num_splits))
     return start, seq_len, chunk
 
@@ -143,7 +148,7 @@ def mla_decode_partials_gfx950_emulation(
     f32 = jnp.float32
     c = (jnp.asarray(sm_scale, f32) * jnp.asarray(k_scale, f32)) * f32(LOG2E)
     x_hat, q_scale = q_split(q.reshape(b, m_rows, dim))  # [B, M, 576], [B, M]
-    start, seq_len, chunk = split_bounds(kv_indptr, s_count)
+    start, seq_len, chunk = split_bounds(kv_indptr, n, s_count)
     lo = jnp.arange(s_count, dtype=jnp.int32)[None, :] * chunk[:, None]  # [B, S]
     hi = jnp.minimum(lo + chunk[:, None], seq_len[:, None])
     num_blocks = (jnp.max(jnp.maximum(hi - lo, 0)) + BLOCK - 1) // BLOCK
@@ -153,7 +158,7 @@ def mla_decode_partials_gfx950_emulation(
     offsets = jnp.arange(BLOCK, dtype=jnp.int32)
 
     def step(blk, carry):
-        m_run, l_run, o_run = carry
+        m_run, l_run, o_run, nan_run = carry
         j = lo[:, :, None] + blk * BLOCK + offsets  # [B, S, T] key positions
         pos = start[:, None, None] + j
         tok = kv_indices[jnp.clip(pos, 0, n - 1)]
@@ -170,21 +175,27 @@ def mla_decode_partials_gfx950_emulation(
         alpha = exp2(m_run - m_new)
         p = exp2(s_log2 - m8[..., None])
         l_new = l_run * alpha + jnp.sum(p, axis=-1)
-        pv = jnp.einsum(
-            "bsmt,bstd->bsmd", p_split(p), codes[..., :LATENT_DIM],
+        boundary = j > (seq_len - qlen)[:, None, None]
+        v_nan = jnp.isnan(codes[..., :LATENT_DIM]) & boundary[..., None]
+        v = jnp.where(v_nan, 0.0, codes[..., :LATENT_DIM])
+        seen_nan = jnp.einsum(
+            "bsmt,bstd->bsmd", visible.astype(f32), v_nan.astype(f32),
             precision=jax.lax.Precision.HIGHEST,
         )  # fmt: skip
-        return m_new, l_new, o_run * alpha[..., None] + pv
+        pv = jnp.einsum("bsmt,bstd->bsmd", p_split(p), v, precision=jax.lax.Precision.HIGHEST)
+        return m_new, l_new, o_run * alpha[..., None] + pv, nan_run | (seen_nan > 0)
 
     init = (
         jnp.full((b, s_count, m_rows), NEG_BIG, f32),
         jnp.zeros((b, s_count, m_rows), f32),
         jnp.zeros((b, s_count, m_rows, LATENT_DIM), f32),
+        jnp.zeros((b, s_count, m_rows, LATENT_DIM), bool),
     )
-    m_fin, l_fin, o_fin = jax.lax.fori_loop(0, num_blocks, step, init)
+    m_fin, l_fin, o_fin, nan_fin = jax.lax.fori_loop(0, num_blocks, step, init)
     has = l_fin > 0
     l_safe = jnp.where(has, l_fin, 1.0)
     o = jnp.where(has[..., None], o_fin * (jnp.asarray(v_scale, f32) / l_safe)[..., None], 0.0)
+    o = jnp.where(nan_fin, f32(jnp.nan), o)
     m8 = jnp.maximum(m_fin - f32(P_SHIFT), f32(M_FLOOR))
     lse = jnp.where(has, (m8 + jnp.log2(l_safe)) * f32(LN2), -jnp.inf)
     # [B, S, (qlen, H)] -> [B * qlen, S, H]

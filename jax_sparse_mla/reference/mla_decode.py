@@ -37,7 +37,8 @@ def mla_decode_partials_f32(
     Args:
       q: [B * qlen, H, 576] bf16; row r * qlen + i is position i of request r.
       kv: [tokens, 576] uint8 e4m3fn codes.
-      kv_indices: [n] int32; kv_indptr: [B + 1] int32. Request r's keys in position order are
+      kv_indices: [n] int32; kv_indptr: [B + 1] int32, each entry clipped to [0, n] (the cost
+        follows n whatever kv_indptr holds). Request r's keys in position order are
         kv[kv_indices[kv_indptr[r]:kv_indptr[r+1]]]; indices outside [0, tokens) are masked.
       qlen: queries per request; position i sees key positions j <= seq_len - qlen + i.
       k_scale, v_scale, sm_scale: float32 scalars.
@@ -56,8 +57,8 @@ def mla_decode_partials_f32(
             jnp.full((rows, s, h), -jnp.inf, jnp.float32),
         )
 
-    start = kv_indptr[:-1]
-    seq_len = jnp.maximum(kv_indptr[1:] - start, 0)  # [B]
+    start = jnp.clip(kv_indptr[:-1], 0, n)
+    seq_len = jnp.clip(kv_indptr[1:], start, n) - start  # [B]
     chunk = split_length(seq_len, s)
     split_ids = jnp.arange(s, dtype=jnp.int32)
     # Rows of the loop: (request, split) pairs, R = B * S.
@@ -72,10 +73,8 @@ def mla_decode_partials_f32(
 
     def load_tile(t):
         j = lo[:, None] + t * tile + offsets  # [R, tile] key positions
-        pos = row_start[:, None] + j
-        in_split = (j < hi[:, None]) & (pos >= 0) & (pos < n)
-        tok = kv_indices[jnp.clip(pos, 0, n - 1)]
-        key_valid = in_split & (tok >= 0) & (tok < tokens)
+        tok = kv_indices[jnp.minimum(row_start[:, None] + j, n - 1)]
+        key_valid = (j < hi[:, None]) & (tok >= 0) & (tok < tokens)
         rows_u8 = kv[jnp.where(key_valid, tok, 0)]  # [R, tile, 576]: gather bytes, then convert
         codes = jax.lax.bitcast_convert_type(rows_u8, jnp.float8_e4m3fn).astype(jnp.float32)
         k = codes * k_scale

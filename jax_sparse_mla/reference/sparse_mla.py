@@ -36,8 +36,9 @@ def sparse_mla_xla(
     Args:
       q: [n_q, H, 576] bf16.
       kv: [..., 656] uint8 records (read as rows).
-      idx: [nnz] int32; indptr: [n_q + 1] int32 (CSR). Positions outside [0, nnz), entries
-        outside [0, rows) and rows with indptr[r+1] < indptr[r] are masked / empty.
+      idx: [nnz] int32; indptr: [n_q + 1] int32 (CSR), each entry clipped to [0, nnz] (so the
+        cost follows nnz whatever indptr holds). Entries outside [0, rows) are masked; rows with
+        indptr[r+1] <= indptr[r] are empty.
       sm_scale: float32 scalar.
     Returns:
       out [n_q, H, 512] bf16 and lse [n_q, H] float32.
@@ -49,15 +50,14 @@ def sparse_mla_xla(
         return no_keys(n_q, h)
 
     tile = tile_size(n_q)
-    start = indptr[:-1]
-    length = jnp.maximum(indptr[1:] - start, 0)
+    start = jnp.clip(indptr[:-1], 0, nnz)
+    length = jnp.clip(indptr[1:], start, nnz) - start
     offsets = jnp.arange(tile, dtype=jnp.int32)
 
     def load_tile(t):
         j = t * tile + offsets  # [tile] position within the row
-        pos = start[:, None] + j  # [n_q, tile]
-        in_row = (j < length[:, None]) & (pos >= 0) & (pos < nnz)
-        ids = idx[jnp.clip(pos, 0, nnz - 1)]
+        in_row = j < length[:, None]  # [n_q, tile]
+        ids = idx[jnp.minimum(start[:, None] + j, nnz - 1)]
         key_valid = in_row & (ids >= 0) & (ids < rows)
         latent, rope = _unpack_records(records[jnp.where(key_valid, ids, 0)])
         k = jnp.concatenate([latent, rope.astype(jnp.float32)], axis=-1)

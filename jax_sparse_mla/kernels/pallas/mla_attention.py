@@ -73,12 +73,12 @@ _LOADERS = {"ds_mla": _load_ds_mla, "fp8": _load_fp8}
 def _kernel(indptr_ref, idx_ref, kv_ref, scale_ref, q_ref, o_ref, lse_ref, *, fmt, rows, qlen,
             heads, block_m, num_splits, split_align):  # fmt: skip
     g, split, mb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    start = indptr_ref[g]
-    length = jnp.maximum(indptr_ref[g + 1] - start, 0)
+    nnz = idx_ref.shape[0]
+    start = jnp.clip(indptr_ref[g], 0, nnz)  # indptr entries clipped to [0, nnz]
+    length = jnp.clip(indptr_ref[g + 1], start, nnz) - start
     chunk = split_align * ((length + split_align * num_splits - 1) // (split_align * num_splits))
     lo = split * chunk
     hi = jnp.minimum(lo + chunk, length)
-    nnz = idx_ref.shape[0]
     q_lat = [q_ref[:, pl.ds(CHUNK * c, CHUNK)] for c in range(NUM_CHUNKS)]
     q_rope = q_ref[:, pl.ds(LATENT_DIM, ROPE)]
     score_scale, v_scale = scale_ref[0], scale_ref[1]
@@ -90,9 +90,8 @@ def _kernel(indptr_ref, idx_ref, kv_ref, scale_ref, q_ref, o_ref, lse_ref, *, fm
     def tile(t, carry):
         m_run, l_run, accs = carry
         j = lo + t * BLOCK_K + key_iota
-        pos = start + j
-        in_list = (j < hi) & (pos >= 0) & (pos < nnz)
-        ids = gather_1d(idx_ref, pos, in_list)
+        in_list = j < hi
+        ids = gather_1d(idx_ref, start + j, in_list)
         valid = in_list & (ids >= 0) & (ids < rows)
         chunks, scales, rope = _LOADERS[fmt](kv_ref, ids, valid)
         s = dot_nt(q_rope, rope)
@@ -132,9 +131,10 @@ def mla_partials(q, kv, idx, indptr, scales, *, fmt: str, qlen: int, heads: int,
     """Per-split MLA attention over CSR key lists.
 
     Group g (of G) has query rows q[g] (row ``i * heads + h`` is position i, head h) and the
-    keys ``kv[idx[indptr[g] + j]]`` for j < length_g; split s of S covers key positions
-    [s * c, min((s + 1) * c, length_g)) with ``c = split_align * ceil(length_g / (split_align *
-    S))``. Positions outside [0, len(idx)) and entries outside [0, len(kv)) are masked; with
+    keys ``kv[idx[indptr[g] + j]]`` for j < length_g (indptr entries clipped to [0, len(idx)]);
+    split s of S covers key positions [s * c, min((s + 1) * c, length_g)) with
+    ``c = split_align * ceil(length_g / (split_align * S))``. Entries outside [0, len(kv)) are
+    masked; with
     qlen > 1 position i sees key positions j <= length_g - qlen + i.
 
     Args:
