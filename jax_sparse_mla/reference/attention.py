@@ -18,7 +18,9 @@ class KeyTile(NamedTuple):
       k: [R, T, G, Dk] float32 keys (G key heads; G = 1 when all query heads share the keys).
       v: [R, T, G, Dv] float32 values.
       key_valid: [R, T] bool; an invalid key is ignored entirely (its k and v may be garbage).
-      row_mask: optional bool mask broadcastable to [R, G, M, T] (e.g. causal), or None.
+      row_mask: optional bool mask broadcastable to [R, G, M, T] (e.g. causal), or None. A key
+        it hides from a query contributes exactly nothing to that query's o and lse, whatever
+        its k and v hold (never 0 x NaN); a query that sees a key with a non-finite v gets NaN.
     """
 
     k: jax.Array
@@ -59,6 +61,11 @@ def attend_tiles(
         if tile.row_mask is not None:
             valid = valid & tile.row_mask
         s = jnp.where(valid, s, neg_inf)
+        if tile.row_mask is not None:  # P @ V on finite values; a visible non-finite v: NaN
+            v_ok = jnp.isfinite(v)
+            v = jnp.where(v_ok, v, 0.0)
+            bad = jnp.moveaxis(~jnp.all(v_ok, axis=-1), 1, -1)[:, :, None]  # [R, G, 1, T]
+            s = jnp.where(valid & bad, jnp.nan, s)
         m_new = jnp.maximum(m_run, jnp.max(s, axis=-1))
         m_ref = jnp.where(m_new == neg_inf, 0.0, m_new)  # no valid key yet: keep exp finite
         alpha = jnp.exp(m_run - m_ref)

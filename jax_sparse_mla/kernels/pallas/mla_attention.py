@@ -7,6 +7,8 @@ keys: gathers the records (each record read once per program), converts the fp8 
 (exact), computes the scores on the tensor cores in bf16 x bf16 -> f32 (exact products), keeps
 an f32 online softmax, and accumulates P @ V with P rounded to bf16 (the only rounding besides
 f32 accumulation; per-key scales are folded into the scores and into P, never into K or V).
+With causal masking (qlen > 1) a key hidden from a row adds exactly nothing to it, whatever its
+bytes hold; a NaN code a row sees makes that row NaN (through its scores).
 """
 
 from __future__ import annotations
@@ -103,6 +105,8 @@ def _kernel(indptr_ref, idx_ref, kv_ref, scale_ref, q_ref, o_ref, lse_ref, *, fm
             mask = mask & (j[None, :] <= bound[:, None])
         s = jnp.where(mask, s * score_scale, -jnp.inf)
         m_run, l_run, alpha, p = softmax_update(m_run, l_run, s)
+        if qlen > 1:  # a hidden NaN code (P = 0) adds 0, not 0 x NaN; a visible one has
+            chunks = [jnp.where(jnp.isnan(c), 0, c) for c in chunks]  # made its row's s NaN
         accs = tuple(
             acc * alpha[:, None]
             + dot_nn((p if scales is None else p * scales[c][None, :]).astype(jnp.bfloat16),
