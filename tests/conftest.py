@@ -1,8 +1,13 @@
-"""Skips tests whose hardware is missing: ``gpu`` (an NVIDIA GPU) and ``gfx950`` (an MI355)."""
+"""Skips tests whose hardware is missing: ``gpu`` (an NVIDIA GPU) and ``gfx950`` (an MI355).
+
+Asked for by name (``-m gfx950``) without a gfx950 device, the run fails instead, saying what
+jax sees and what to install.
+"""
 
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import pytest
@@ -24,7 +29,23 @@ def _platforms() -> frozenset:
     return frozenset(found)
 
 
+def _gfx950_requested(config) -> bool:
+    """Whether the marker expression (``-m``) asks for the gfx950 tests by name."""
+    return "gfx950" in re.sub(r"\bnot\s+gfx950\b", "", config.getoption("markexpr") or "")
+
+
+def _no_gfx950_message() -> str:
+    seen = ", ".join(f"{d.platform} ({d.device_kind})" for d in jax.devices())
+    return (
+        f"-m gfx950 asks for the MI355 tests, but jax {jax.__version__} sees no gfx950 ROCm "
+        f"device: jax.devices() = {seen}. On an MI355 install the ROCm jax plugin that matches "
+        "jax (pip install -e '.[rocm,test]', see README, MI355) and check rocminfo | grep gfx950"
+    )
+
+
 def pytest_collection_modifyitems(config, items):
+    if _gfx950_requested(config) and "gfx950" not in _platforms():
+        pytest.exit(_no_gfx950_message(), returncode=pytest.ExitCode.TESTS_FAILED)
     skips = {
         "gpu": ("cuda", "no CUDA GPU: jax.devices() has no gpu"),
         "gfx950": ("gfx950", "no MI355 (gfx950) ROCm device"),

@@ -4,7 +4,8 @@ The library (``_jsm_ffi*.so`` next to this file, built by ``pip install`` from `
 kernel objects of ``python -m jax_sparse_mla.build --arch gfx950``; see BUILD.md) holds one
 handler per custom call target. Importing ``jax_sparse_mla`` registers them for platform
 "ROCM"; the library loads on any Linux machine (HIP is opened at first launch).
-``JAX_SPARSE_MLA_FFI_LIBRARY`` points the loader at another copy.
+``JAX_SPARSE_MLA_FFI_LIBRARY`` points the loader at another copy. The library lists the
+kernels it was linked with (``library_kernels``): one linked before the kernel build has none.
 """
 
 from __future__ import annotations
@@ -80,8 +81,11 @@ def library_kernels() -> frozenset[str]:
     """The symbols of the kernels linked into the FFI library (none without the library, or
     when it was linked without a kernel build)."""
     library = rocm_library()
-    if library is None:
-        return frozenset()
+    return frozenset() if library is None else kernel_symbols(library)
+
+
+def kernel_symbols(library: ctypes.CDLL) -> frozenset[str]:
+    """The kernels an FFI library was linked with (its ``jsm_kernel_symbols``)."""
     symbols = library.jsm_kernel_symbols
     symbols.restype = ctypes.c_char_p
     return frozenset(symbols().decode().split())
