@@ -404,6 +404,25 @@ def test_mla_decode_partials(name):
         assert np.any(np.isneginf(lse_k)) and np.any(np.isfinite(lse_k))
 
 
+@pytest.mark.parametrize("qlen", [2, 4])
+def test_mla_decode_causal_hidden_nan_key(qlen):
+    """Causal rule (kernels/gfx950/mla_decode.py: the boundary keys' NaN V codes are zeroed in
+    LDS before the PV MFMAs): NaN latent codes in the keys hidden from position 0 leave the
+    partials of the rows that do not see them within the kernel-vs-emulation bound; the
+    partials that see them are NaN (o and lse), exactly where the emulation's are."""
+    case, num_splits = DE.causal_nan_case(qlen, slice(3, 9)), 2
+    o_k, lse_k = run_partials(case, num_splits, IMPL)
+    o_e, lse_e = run_partials(case, num_splits, EMU)
+    seen = np.isnan(f64(lse_e))
+    assert seen.any() and not seen[0::qlen].any()
+    assert np.array_equal(np.isnan(f64(lse_k)), seen), "NaN lse where the emulation has none"
+    assert np.all(np.isnan(f64(o_k)[seen])), "a row that sees a NaN key must be NaN"
+    full, _, lse_tol, _ = partials_kernel_bound(case, num_splits, o_e, lse_e)
+    keep = functools.partial(DE.outside, seen)
+    DE.check(keep(o_k), keep(lse_k), keep(o_e), keep(lse_e), keep(full, 1.0), keep(lse_tol, 1.0),
+             f"q{qlen} hidden NaN vs emu")  # fmt: skip
+
+
 @pytest.mark.parametrize("n, s, h", [(7, 6, 3), (5, 16, 128)])
 def test_merge_attn_states(n, s, h):
     """Random bf16 partials with -inf ones (their o holds NaN / inf garbage), an all -inf row,

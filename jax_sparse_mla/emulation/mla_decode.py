@@ -27,9 +27,10 @@ Partials (per request, split, query row; ``c = (sm_scale * k_scale) * f32(log2 e
 * ``o = bf16(O (v_scale / l))``, ``lse = (m8 + log2 l) ln 2``; ``o = 0``, ``lse = -inf`` when
   ``l == 0`` (no visible key).
 * Causal rule (the kernel's way): the NaN V codes of the boundary keys ``j > seq_len - qlen``
-  (hidden from some position, seen by another) are zeroed before P V, and an element of ``o``
-  is NaN when its row sees a boundary key whose code of that latent was NaN. So a hidden key
-  contributes exactly nothing, even a NaN; a seen NaN V code makes the element NaN as before.
+  (hidden from some position, seen by another) are zeroed before ``P V`` (after the scores), so
+  a hidden key contributes exactly nothing, even a NaN. A row that sees a NaN code has a NaN
+  score (V is part of K), so a NaN ``l``: that counts as a visible key (``l != 0``) and makes
+  o and the LSE NaN.
 
 Combine (per output row and head, over the S partials in order):
 ``m = max_s lse_s``; all -inf: ``o = 0``, ``lse = -inf``. Else ``w_s = exp2((lse_s - m) log2 e)``,
@@ -158,7 +159,7 @@ def mla_decode_partials_gfx950_emulation(
     offsets = jnp.arange(BLOCK, dtype=jnp.int32)
 
     def step(blk, carry):
-        m_run, l_run, o_run, nan_run = carry
+        m_run, l_run, o_run = carry
         j = lo[:, :, None] + blk * BLOCK + offsets  # [B, S, T] key positions
         pos = start[:, None, None] + j
         tok = kv_indices[jnp.clip(pos, 0, n - 1)]
@@ -175,27 +176,21 @@ def mla_decode_partials_gfx950_emulation(
         alpha = exp2(m_run - m_new)
         p = exp2(s_log2 - m8[..., None])
         l_new = l_run * alpha + jnp.sum(p, axis=-1)
-        boundary = j > (seq_len - qlen)[:, None, None]
-        v_nan = jnp.isnan(codes[..., :LATENT_DIM]) & boundary[..., None]
-        v = jnp.where(v_nan, 0.0, codes[..., :LATENT_DIM])
-        seen_nan = jnp.einsum(
-            "bsmt,bstd->bsmd", visible.astype(f32), v_nan.astype(f32),
-            precision=jax.lax.Precision.HIGHEST,
-        )  # fmt: skip
+        v = codes[..., :LATENT_DIM]
+        boundary = (j > (seq_len - qlen)[:, None, None])[..., None]
+        v = jnp.where(boundary & jnp.isnan(v), 0.0, v)
         pv = jnp.einsum("bsmt,bstd->bsmd", p_split(p), v, precision=jax.lax.Precision.HIGHEST)
-        return m_new, l_new, o_run * alpha[..., None] + pv, nan_run | (seen_nan > 0)
+        return m_new, l_new, o_run * alpha[..., None] + pv
 
     init = (
         jnp.full((b, s_count, m_rows), NEG_BIG, f32),
         jnp.zeros((b, s_count, m_rows), f32),
         jnp.zeros((b, s_count, m_rows, LATENT_DIM), f32),
-        jnp.zeros((b, s_count, m_rows, LATENT_DIM), bool),
     )
-    m_fin, l_fin, o_fin, nan_fin = jax.lax.fori_loop(0, num_blocks, step, init)
-    has = l_fin > 0
+    m_fin, l_fin, o_fin = jax.lax.fori_loop(0, num_blocks, step, init)
+    has = l_fin != 0  # NaN included (causal rule)
     l_safe = jnp.where(has, l_fin, 1.0)
     o = jnp.where(has[..., None], o_fin * (jnp.asarray(v_scale, f32) / l_safe)[..., None], 0.0)
-    o = jnp.where(nan_fin, f32(jnp.nan), o)
     m8 = jnp.maximum(m_fin - f32(P_SHIFT), f32(M_FLOOR))
     lse = jnp.where(has, (m8 + jnp.log2(l_safe)) * f32(LN2), -jnp.inf)
     # [B, S, (qlen, H)] -> [B * qlen, S, H]

@@ -26,6 +26,18 @@ visible key). Arithmetic, exactly (f32 unless said otherwise, ``c2 = (sm_scale k
   E8M0 scale 2^-5, f32 accumulation). k_scale enters through ``c2``, v_scale at the end.
 * ``o = bf16(O (v_scale / l))`` (RNE), ``lse = (m8 + log2 l) ln 2``; ``l == 0``: o = 0, -inf.
   ``exp2`` / ``log2`` are the hardware ``v_exp_f32`` / ``v_log_f32``.
+* Causal rule: a key hidden from query position ``i`` contributes nothing to row ``i``, whatever
+  its bytes hold. Its score is replaced (a select: a NaN K code never reaches a hidden row),
+  but all 16 rows of a CTA share one V operand, and ``P = 0`` times a NaN V code in the PV MFMA
+  would still be NaN. Only the boundary keys ``j = seq_len - qlen + 1 .. seq_len - 1`` (qlen - 1
+  of them) are hidden from some row and seen by another, so before a block's PV wave ``w``
+  zeroes the NaN codes (``code & 0x7F == 0x7F``) of every boundary key in the block among its
+  latents ``[64w, 64w + 64)`` in the slot (after the block's QK). Zeros add exact zeros, so no
+  other value changes. A row that sees such a key still gets NaN: V is the first 512 codes of
+  K, so the key's score is NaN, hence its P, l and every element of o; ``l`` NaN counts as a
+  visible key (``l != 0``), so o and the LSE are NaN, not the empty split's 0 / -inf. (A masked
+  key is never read; its slot row holds zeros or the bytes of a key two blocks earlier of the
+  same split, which every row sees: a NaN there has made those rows NaN already.)
 
 Work decomposition: a 512-thread CTA (8 waves) per (head group, split, request): 16 query rows
 (row ``n``: head ``hg * 16 / qlen + n // qlen``, position ``n % qlen``). Per 128-key block, wave
@@ -302,6 +314,17 @@ def _tr8(addr) -> Vec:
     return Vec(op.result)
 
 
+def _zero_nan_v(slot, kk, w, g) -> None:
+    """Zeroes the NaN codes of slot key ``kk`` among the V latents ``64 w + 16 jt + 4 g +
+    [0, 4)`` (jt < 4) of lane group g (module docstring, causal rule). The 16 lanes of a group
+    write the same bytes."""
+    for jt in range_constexpr(LAT_TILES):
+        addr = slot + kk * KV_DIM + _swizzle(kk, 4 * w + jt) * 16 + 4 * g
+        x = i32(_load_lds(addr, 1)[0])
+        nan = (((x & 0x7F7F7F7F) + 0x01010101) >> 7) & 0x01010101  # 1 per NaN byte
+        _store_lds(addr, x & ((nan * 0xFF) ^ fx.Int32(-1)), 4)
+
+
 def _swizzle(key, chunk):
     """LDS 16-B chunk of logical chunk ``chunk`` of slot key ``key``: low 2 bits XOR (key>>2)&3."""
     return chunk ^ ((key >> 2) & 3)
@@ -490,6 +513,13 @@ def build_partials_launcher(qlen: int):
                 _store_lds(p_wr + P_LO, p_lo, 4)
                 _barrier(lgkm=True)
 
+                # ---- causal boundary keys seq_len - qlen + 1 + u in the block: NaN V zeroed
+                for u in range_constexpr(qlen - 1):
+                    kk = seq_len - (qlen - 1) + u - (lo + blk * BLOCK)
+                    if (kk >= 0) & (kk < BLOCK):
+                        _zero_nan_v(slot, kk, w, g)
+                rocdl.sched_barrier(0)
+
                 # ---- O^T += V^T P^T over the block; lane group g: keys 32g + [0, 32)
                 b_hi = cat(_load_lds(p_rd, 4), _load_lds(p_rd + 16, 4))
                 b_lo = cat(_load_lds(p_rd + P_LO, 4), _load_lds(p_rd + P_LO + 16, 4))
@@ -509,7 +539,7 @@ def build_partials_launcher(qlen: int):
             l_tot = f32(lv[0][0])
             for k in range_constexpr(1, WAVES):
                 l_tot = l_tot + f32(lv[k // 4][k % 4])
-            has_l = l_tot > 0.0
+            has_l = l_tot != 0.0  # NaN included: a seen NaN key (causal rule)
             scale = has_l.select(v_scale / l_tot, fx.Float32(0.0))
             out_row = (fx.Int64(qrow) * fx.Int64(num_splits) + fx.Int64(split)) * fx.Int64(
                 num_heads
