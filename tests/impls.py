@@ -76,12 +76,6 @@ def interpreted(impl: str) -> bool:
     return impl == "pallas" and not has_cuda()
 
 
-def scale_arg(impl: str, x: float):
-    """A k_scale / v_scale / sm_scale argument: a 0-d array (traced under jit) except for
-    "flydsl", whose kernels take static scales."""
-    return float(x) if impl == "flydsl" else jnp.float32(x)
-
-
 def _f64(x) -> np.ndarray:
     return O.to_f64(x)
 
@@ -124,16 +118,24 @@ def decode_splits(impl: str, case, num_splits: int | None) -> int:
     return 1
 
 
+def decode_fn(fn, impl: str, case, **options):
+    """``fn`` (mla_decode or mla_decode_partials) for ``case`` (tests/cases.DecodeCase) jitted,
+    as a function of (q, kv, kv_indices, kv_indptr). k_scale / v_scale are traced 0-d arrays,
+    except for "flydsl", whose kernels take static scales."""
+    scales = dict(k_scale=case.k_scale, v_scale=case.v_scale)
+    kw = dict(qlen=case.qlen, sm_scale=case.sm_scale, implementation=impl, **options)
+    if impl == "flydsl":
+        return jax.jit(functools.partial(fn, **kw, **scales))
+    f = jax.jit(functools.partial(fn, **kw))
+    return lambda *args: f(*args, **{k: jnp.float32(v) for k, v in scales.items()})
+
+
+def decode_args(case):
+    return case.q, case.kv, jnp.asarray(case.kv_indices), jnp.asarray(case.kv_indptr)
+
+
 def decode_partials(impl: str, case, num_splits: int):
-    """``mla_decode_partials`` of ``case`` (tests/cases.DecodeCase), jitted."""
-    fn = jax.jit(
-        functools.partial(
-            jsm.mla_decode_partials, qlen=case.qlen, k_scale=scale_arg(impl, case.k_scale),
-            v_scale=scale_arg(impl, case.v_scale), sm_scale=case.sm_scale,
-            num_splits=num_splits, implementation=impl,
-        )
-    )  # fmt: skip
-    return fn(case.q, case.kv, jnp.asarray(case.kv_indices), jnp.asarray(case.kv_indptr))
+    return decode_fn(jsm.mla_decode_partials, impl, case, num_splits=num_splits)(*decode_args(case))
 
 
 def _decode_oracle(case, num_splits=None):
