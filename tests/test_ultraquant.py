@@ -1,5 +1,6 @@
-"""ultraquant_decode against the float64 oracle (caches written by the library's
-ultraquant_store over NaN garbage; the oracle decodes the bytes independently)."""
+"""ultraquant_decode against the float64 oracle, every implementation (tests/impls.py) with its
+own tolerance (caches written by the library's ultraquant_store over NaN garbage; the oracle
+decodes the bytes independently)."""
 
 import functools
 
@@ -10,110 +11,112 @@ import pytest
 
 import jax_sparse_mla as jsm
 from tests import cases as C
+from tests import impls
 from tests import oracle as O
 
 
 @functools.cache
-def _fn(num_partitions, sm_scale):
+def _fn(num_partitions, sm_scale, impl):
     return jax.jit(
-        functools.partial(jsm.ultraquant_decode, num_partitions=num_partitions, sm_scale=sm_scale)
-    )
-
-
-def run(case, num_partitions=None, sm_scale=1 / 16):
-    out = _fn(num_partitions, sm_scale)(
-        case.q, jnp.asarray(case.cache), jnp.asarray(case.block_tables),
-        jnp.asarray(case.seq_lens),
+        functools.partial(
+            jsm.ultraquant_decode, num_partitions=num_partitions, sm_scale=sm_scale,
+            implementation=impl,
+        )
     )  # fmt: skip
+
+
+def _args(case):
+    return (case.q, jnp.asarray(case.cache), jnp.asarray(case.block_tables),
+            jnp.asarray(case.seq_lens))  # fmt: skip
+
+
+def run(case, impl, num_partitions=None, sm_scale=1 / 16):
+    out = _fn(num_partitions, sm_scale, impl)(*_args(case))
     assert out.dtype == jnp.bfloat16 and out.shape == case.q.shape
     return out
 
 
-def check(case, out, sm_scale=1 / 16, what="ultraquant_decode"):
-    ref, _, st = O.ultraquant_decode(case.q, case.cache, case.block_tables, case.seq_lens,
-                                     sm_scale, stats=True)  # fmt: skip
-    g = case.q.shape[1] // case.cache.shape[2]
-    return O.check_attention(out, ref, st, heads_per_entry=g, what=what)
+def check(impl, case, out, sm_scale=1 / 16, num_partitions=None, what="ultraquant_decode"):
+    impls.check_uq(impl, case, out, sm_scale, num_partitions, what)
 
 
+@impls.each
 @pytest.mark.parametrize("g,hk", [(6, 1), (8, 2), (16, 1), (1, 2), (3, 2)])
-def test_groups(g, hk):
+def test_groups(impl, g, hk):
     case = C.uq_case(g * 10 + hk, seq_lens=(1, 40, 100), hk=hk, g=g, bs=16)
-    check(case, run(case))
+    check(impl, case, run(case, impl))
 
 
+@impls.each
 @pytest.mark.parametrize("bs", [16, 32, 64, 128, 256])
-def test_block_sizes(bs):
+def test_block_sizes(impl, bs):
     case = C.uq_case(bs, seq_lens=(1, bs - 1, bs, bs + 1, 2 * bs + 7), hk=1, g=8, bs=bs)
-    check(case, run(case))
+    check(impl, case, run(case, impl))
 
 
+@impls.each
 @pytest.mark.parametrize("num_partitions", [1, 2, 3, 5, 8])
-def test_num_partitions_same_answer(num_partitions):
+def test_num_partitions_same_answer(impl, num_partitions):
     case = C.uq_case(7, seq_lens=(3, 130, 257, 500), hk=2, g=6, bs=16)
-    out = run(case, num_partitions)
-    check(case, out, what=f"num_partitions={num_partitions}")
-    out1 = O.to_f64(run(case, None))
-    o = O.to_f64(out)
-    # each is within 2^-8 |ref| + atol of the oracle, so they differ by at most twice that
-    _, _, st = O.ultraquant_decode(case.q, case.cache, case.block_tables, case.seq_lens,
-                                   1 / 16, stats=True)  # fmt: skip
-    g = case.q.shape[1] // case.cache.shape[2]
-    n_keys, vmax, sabs = O.stats_atol(st, o.shape[:2], heads_per_entry=g)
-    atol = 2 * O.attn_atol(n_keys, vmax, sabs)[..., None]
-    assert np.all(np.abs(o - out1) <= 2.0**-7 * np.maximum(np.abs(o), np.abs(out1)) + atol)
+    out = run(case, impl, num_partitions)
+    check(impl, case, out, num_partitions=num_partitions, what=f"P={num_partitions}")
+    check(impl, case, run(case, impl, None), what="num_partitions=None")
 
 
-def test_eager_and_xla():
+def test_default_is_the_platform_choice():
+    """implementation=None (eager) runs what it picks on this machine (impls.default())."""
     case = C.uq_case(8, seq_lens=(5, 33), hk=1, g=8, bs=16)
-    out = jsm.ultraquant_decode(case.q, jnp.asarray(case.cache), jnp.asarray(case.block_tables),
-                                jnp.asarray(case.seq_lens))  # fmt: skip
-    check(case, out)
-    out2 = jsm.ultraquant_decode(case.q, jnp.asarray(case.cache), jnp.asarray(case.block_tables),
-                                 jnp.asarray(case.seq_lens), implementation="xla")  # fmt: skip
+    out = jsm.ultraquant_decode(*_args(case))
+    check(impls.default(), case, out)
+    out2 = jsm.ultraquant_decode(*_args(case), implementation=impls.default())
     np.testing.assert_array_equal(np.asarray(out2, np.float32), np.asarray(out, np.float32))
 
 
-def test_seq_lens_clamped_and_empty():
+@impls.each
+def test_seq_lens_clamped_and_empty(impl):
     # request 0: seq_len 0; request 1: negative; request 2: past the table's capacity (clamped to
     # max_blocks * bs, every table entry is a written block); request 3: normal
     bs, max_blocks = 16, 3
     case = C.uq_case(9, seq_lens=(0, -5, bs * max_blocks, 20), hk=1, g=8, bs=bs,
                      max_blocks=max_blocks)  # fmt: skip
     case.seq_lens = np.int32([0, -5, 10**6, 20])
-    out = run(case)
-    check(case, out)
+    out = run(case, impl)
+    check(impl, case, out)
     out = np.asarray(out, np.float32)
     assert np.all(out[0] == 0) and np.all(out[1] == 0)
     case.seq_lens = np.int32([0, -(2**31), 2**31 - 1, 20])
-    check(case, run(case))
+    check(impl, case, run(case, impl))
 
 
-def test_masked_blocks():
+@impls.each
+def test_masked_blocks(impl):
     # block-table entries out of range inside the sequences mask their tokens (whole blocks)
     case = C.uq_case(10, seq_lens=(40, 100, 16), hk=2, g=8, bs=16, p_bad_block=0.4)
-    check(case, run(case))
+    check(impl, case, run(case, impl))
 
 
-def test_sm_scale_and_peaky():
+@impls.each
+def test_sm_scale_and_peaky(impl):
     case = C.uq_case(11, seq_lens=(64, 200), hk=1, g=16, bs=32, q_scale=6.0)
-    check(case, run(case, sm_scale=0.5), sm_scale=0.5)
-    check(case, run(case, sm_scale=0.01), sm_scale=0.01)
+    check(impl, case, run(case, impl, sm_scale=0.5), sm_scale=0.5)
+    check(impl, case, run(case, impl, sm_scale=0.01), sm_scale=0.01)
 
 
-def test_padding_slot_bytes():
+@impls.each
+def test_padding_slot_bytes(impl):
     case = C.uq_case(12, seq_lens=(30, 70), hk=2, g=6, bs=16, slot_bytes=288)
-    check(case, run(case))
+    check(impl, case, run(case, impl))
 
 
-def test_store_skips_tokens():
+@impls.each
+def test_store_skips_tokens(impl):
     # tokens with slot -1 / out of range carry huge K/V: if written anywhere, outputs change
     case = C.uq_case(13, seq_lens=(50,), hk=1, g=8, bs=16)
     skipped = (case.slot_mapping < 0) | (case.slot_mapping >= case.cache.shape[0] * 16)
     assert skipped.sum() == 3
     ref, _ = O.ultraquant_decode(case.q, case.cache, case.block_tables, case.seq_lens)
     assert np.max(np.abs(ref)) < 100  # the skipped tokens' V are ~1000x larger
-    check(case, run(case))
+    check(impl, case, run(case, impl))
 
 
 def test_tolerance_catches_bf16_rotated_q():
@@ -122,7 +125,7 @@ def test_tolerance_catches_bf16_rotated_q():
     case = C.uq_case(14, seq_lens=(64, 150, 90), hk=2, g=8, bs=16)
     ref, _, st = O.ultraquant_decode(case.q, case.cache, case.block_tables, case.seq_lens,
                                      stats=True)  # fmt: skip
-    O.check_attention(run(case), ref, st, heads_per_entry=8)
+    O.check_attention(run(case, "xla"), ref, st, heads_per_entry=8)
     q_rot = O.uq_rotate_exact(O.to_f64(case.q))
     q_bad = O.uq_unrotate(O.round_bf16(q_rot))  # same scores as a bf16 rotated q
     bad, _ = O.ultraquant_decode(q_bad, case.cache, case.block_tables, case.seq_lens)
