@@ -160,6 +160,18 @@ def test_mfma_probe_lowers_to_its_custom_call(a_format):
     assert results == ["tensor<64x4xf32>"]
 
 
+@pytest.mark.parametrize("bits", [8, 16])
+def test_ds_read_tr_probe_lowers_to_its_custom_call(bits):
+    from jax_sparse_mla.ffi.calls import ds_read_tr_probe
+
+    args = (jnp.zeros((1024,), jnp.uint8), jnp.zeros((64,), jnp.int32))
+    fn = functools.partial(ds_read_tr_probe, bits=bits)
+    ((target, attrs, operands, results),) = custom_calls(fn, *args)
+    assert (target, attrs) == ("jsm_ds_read_tr_probe", f"bits = {bits} : i32")
+    assert operands == ["tensor<1024xui8>", "tensor<64xi32>"]
+    assert results == ["tensor<64x2xui32>"]
+
+
 CALLS = {
     "sparse_mla": (jsm.sparse_mla, sparse_args),
     "mla_decode": (functools.partial(jsm.mla_decode, qlen=2), decode_args),

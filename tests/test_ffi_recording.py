@@ -94,9 +94,17 @@ def scenarios():
         )
         return jax.jit(functools.partial(mfma_probe, a_format=a_format)), args
 
+    def tr_probe(bits):
+        from jax_sparse_mla.ffi.calls import ds_read_tr_probe
+
+        args = dict(lds=jnp.zeros((1024,), jnp.uint8), addrs=jnp.arange(64, dtype=jnp.int32) * 8)
+        return jax.jit(functools.partial(ds_read_tr_probe, bits=bits)), args
+
     return {
         "probe_f0": lambda: probe(0),
         "probe_f4": lambda: probe(4),
+        "tr_probe_b8": lambda: tr_probe(8),
+        "tr_probe_b16": lambda: tr_probe(16),
         "sparse_h20_lse": lambda: sparse(3, 20, 10, 7, True),
         "sparse_h1": lambda: sparse(2, 1, 10, 7, False),
         "sparse_empty": lambda: sparse(0, 4, 10, 7, True),
@@ -157,6 +165,10 @@ def bad_calls():
                          out(((64, 4), f32)), dict(a_format=np.int32(2))),
         "probe_scales": ("jsm_mfma_probe", [z((64, 32), u8), z((64, 32), u8), z((64,), s32)],
                          out(((64, 4), f32)), dict(a_format=np.int32(0))),
+        "tr_probe_bits": ("jsm_ds_read_tr_probe", [z((1024,), u8), z((64,), s32)],
+                          out(((64, 2), jnp.uint32)), dict(bits=np.int32(4))),
+        "tr_probe_regs": ("jsm_ds_read_tr_probe", [z((1024,), u8), z((64,), s32)],
+                          out(((64, 2), s32)), dict(bits=np.int32(8))),
         "reduce_out": ("jsm_ultraquant_reduce", [z((2, 2, 1, 8, 256), bf), z((2, 2, 1, 8), f32),
                                                  z((2, 2, 1, 8), f32)],
                        out(((2, 8, 256), bf)), {}),
@@ -310,7 +322,7 @@ def test_code_objects_load_once_per_device(recorded):
             else:
                 assert event["kernel"] in loaded
         assert [e["event"] for e in r["again"]] == ["launch"] * len(launches(r["events"]))
-    assert len(loaded) == 11
+    assert len(loaded) == 13
 
 
 def test_cache_over_4_gib(recorded):
@@ -416,6 +428,18 @@ def test_mfma_probe_launches_one_wave(recorded, a_format):
     assert event["kernel_args"] == [v for _, _, v in event["packed"]]
 
 
+@pytest.mark.parametrize("bits", [8, 16])
+def test_ds_read_tr_probe_launches_one_wave(recorded, bits):
+    r = recorded[f"tr_probe_b{bits}"]
+    (event,) = launches(r["events"])
+    check_launch(event, f"jsm_ds_read_tr_probe_b{bits}", (1, 1, 1), (64, 1, 1))
+    a = packed(event)
+    for name, arg, elements in (("lds", "L", 1024), ("addrs", "A", 64)):
+        assert (a[f"{arg}:p"], a[f"{arg}:L1"]) == (r["pointers"][name], elements)
+    assert a["R:L1"] == 64 * 2
+    assert event["kernel_args"] == [v for _, _, v in event["packed"]]
+
+
 EXPECTED_ERRORS = {
     "sparse_q_dtype": "jsm_sparse_mla: q must be bf16[n_q, H, 576], got f32[2, 4, 576]",
     "sparse_indptr": "jsm_sparse_mla: indptr must be s32[2 + 1], got s32[2]",
@@ -435,6 +459,9 @@ EXPECTED_ERRORS = {
     "got 270",
     "probe_format": "jsm_mfma_probe: a_format must be 0 (e4m3) or 4 (e2m1), got 2",
     "probe_scales": "jsm_mfma_probe: scales must be s32[64 lanes, 2], got s32[64]",
+    "tr_probe_bits": "jsm_ds_read_tr_probe: bits must be 8 (ds_read_b64_tr_b8) or 16 "
+    "(ds_read_b64_tr_b16), got 4",
+    "tr_probe_regs": "jsm_ds_read_tr_probe: regs must be u32[64 lanes, 2], got s32[64, 2]",
     "reduce_out": "jsm_ultraquant_reduce: out must be bf16[2, 16, 256], got bf16[2, 8, 256]",
 }
 

@@ -27,6 +27,7 @@ TARGETS = {
     "jsm_ultraquant_partials": "JsmUltraquantPartials",
     "jsm_ultraquant_reduce": "JsmUltraquantReduce",
     "jsm_mfma_probe": "JsmMfmaProbe",  # diagnostic: one MFMA (kernels/gfx950/probe.py)
+    "jsm_ds_read_tr_probe": "JsmDsReadTrProbe",  # diagnostic: one transposing LDS read (same)
 }
 LIBRARY_NAME = "_jsm_ffi"
 _HERE = Path(__file__).resolve().parent

@@ -267,7 +267,7 @@ def ultraquant_decode_flydsl(q, cache, block_tables, seq_lens, *, sm_scale, num_
 
 
 # ---------------------------------------------------------------------------------------------
-# Diagnostic: one scaled MFMA 16x16x128 (kernels/gfx950/probe.py)
+# Diagnostics: one scaled MFMA 16x16x128, one transposing LDS read (kernels/gfx950/probe.py)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -280,3 +280,14 @@ def mfma_probe(a, b, scales, *, a_format: int):
     """
     result = [jax.ShapeDtypeStruct((64, 4), jnp.float32)]
     return _call("jsm_mfma_probe", result, a, b, scales, a_format=np.int32(a_format))[0]
+
+
+def ds_read_tr_probe(lds, addrs, *, bits: int):
+    """One ``ds_read_b64_tr_b8`` (``bits`` 8) or ``ds_read_b64_tr_b16`` (16), for lane-map tests.
+
+    lds: [1024] uint8 (the LDS contents); addrs: [64] int32 (lane l's read address, taken
+    modulo 1024 and rounded down to a multiple of 8) -> [64, 2] uint32 (lane l's result
+    registers, register 0 = result bytes 0-3).
+    """
+    result = [jax.ShapeDtypeStruct((64, 2), jnp.uint32)]
+    return _call("jsm_ds_read_tr_probe", result, lds, addrs, bits=np.int32(bits))[0]

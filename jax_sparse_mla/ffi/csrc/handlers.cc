@@ -1,7 +1,8 @@
 // XLA FFI handlers of the gfx950 kernels: check the buffers XLA passes, pack FlyDSL's launch
 // arguments and launch on XLA's stream. One handler per custom call target:
 //   jsm_sparse_mla, jsm_mla_decode_partials, jsm_mla_decode_combine,
-//   jsm_ultraquant_partials, jsm_ultraquant_reduce; and the diagnostic jsm_mfma_probe.
+//   jsm_ultraquant_partials, jsm_ultraquant_reduce; and the diagnostics jsm_mfma_probe and
+//   jsm_ds_read_tr_probe.
 // The argument orders and preconditions are those of jax_sparse_mla/kernels/gfx950/*.py.
 #include <algorithm>
 #include <cstdint>
@@ -68,6 +69,7 @@ const char* TypeName(DataType t) {
   switch (t) {
     case DataType::U8: return "u8";
     case DataType::S32: return "s32";
+    case DataType::U32: return "u32";
     case DataType::BF16: return "bf16";
     case DataType::F32: return "f32";
     case DataType::F16: return "f16";
@@ -350,7 +352,8 @@ Error UltraquantReduce(void* stream, int32_t device, AnyBuffer out_parts, AnyBuf
 }
 
 // ------------------------------------------------------------------------------------------
-// The diagnostic probe: one scaled MFMA on per-lane operand registers (kernels/gfx950/probe.py).
+// The diagnostic probes (kernels/gfx950/probe.py): one scaled MFMA on per-lane operand registers;
+// one transposing LDS read (ds_read_b64_tr_b8 / _b16) of given LDS bytes at per-lane addresses.
 // ------------------------------------------------------------------------------------------
 
 Error MfmaProbe(void* stream, int32_t device, AnyBuffer a, AnyBuffer b, AnyBuffer scales,
@@ -371,6 +374,24 @@ Error MfmaProbe(void* stream, int32_t device, AnyBuffer a, AnyBuffer b, AnyBuffe
       .Tensor("C", c->untyped_data(), c->element_count())
       .Stream(stream);
   return Launch("jsm_mfma_probe_f" + std::to_string(a_format), args, device);
+}
+
+Error DsReadTrProbe(void* stream, int32_t device, AnyBuffer lds, AnyBuffer addrs,
+                    ffi::Result<AnyBuffer> regs, int32_t bits) {
+  constexpr const char* T = "jsm_ds_read_tr_probe";
+  if (bits != 8 && bits != 16) {
+    return Error::InvalidArgument(std::string(T) + ": bits must be 8 (ds_read_b64_tr_b8) or 16 " +
+                                  "(ds_read_b64_tr_b16), got " + std::to_string(bits));
+  }
+  JSM_CHECK(Expect(T, "lds", lds, DataType::U8, {1024}, "[1024 bytes]"));
+  JSM_CHECK(Expect(T, "addrs", addrs, DataType::S32, {64}, "[64 lanes]"));
+  JSM_CHECK(Expect(T, "regs", *regs, DataType::U32, {64, 2}, "[64 lanes, 2]"));
+  LaunchArgs args;
+  args.Tensor("L", lds.untyped_data(), lds.element_count())
+      .Tensor("A", addrs.untyped_data(), addrs.element_count())
+      .Tensor("R", regs->untyped_data(), regs->element_count())
+      .Stream(stream);
+  return Launch("jsm_ds_read_tr_probe_b" + std::to_string(bits), args, device);
 }
 
 }  // namespace
@@ -434,5 +455,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmMfmaProbe, jsm::MfmaProbe,
                                   .Arg<AnyBuffer>()
                                   .Ret<AnyBuffer>()
                                   .Attr<int32_t>("a_format"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmDsReadTrProbe, jsm::DsReadTrProbe,
+                              JSM_BIND.Arg<AnyBuffer>()
+                                  .Arg<AnyBuffer>()
+                                  .Ret<AnyBuffer>()
+                                  .Attr<int32_t>("bits"));
 
 #pragma GCC visibility pop
