@@ -185,6 +185,106 @@ def test_mfma_operand_layouts_e2m1_e4m3():
 
 
 # =============================================================================================
+# The transposing LDS reads, as the kernels assume them
+# =============================================================================================
+
+TR_PROBE_ADDRS = C.rng(33).permutation(128)[:64] * 8  # 64 distinct 8-byte slots of the probe LDS
+TR_SEMANTICS = {  # n = 64 / bits elements per lane, m = 16 / n
+    "transposed": "within each row of 16 lanes, lane t element k is lane {m} k + t // {n}'s "
+    "element t % {n}",
+    "blocks": "within each row of 16 lanes, lane t element k is lane {n} (t // {n}) + k's element "
+    "t % {n}: separate {n} x {n} transposes of consecutive lanes (the other lane grouping)",
+    "plain": "no transpose: each lane gets its own 8 bytes, like ds_read_b64",
+}
+
+
+def tr_semantics(name, bits) -> str:
+    """``TR_SEMANTICS[name]`` for ``ds_read_b64_tr_b{bits}``."""
+    n = 64 // bits
+    return TR_SEMANTICS[name].format(n=n, m=16 // n)
+
+
+def tr_read_sources(addrs, bits, semantics="transposed") -> np.ndarray:
+    """[64, 8]: the LDS byte that byte j of lane l's result comes from, when lane l reads at
+    ``addrs[l]`` with ``ds_read_b64_tr_b{bits}`` under ``semantics`` (``tr_semantics``).
+
+    "transposed" is AMD's documented semantics (CDNA4 ISA guide, section 11.4; the exact lane
+    map of FlyDSL's CDNA4 copy atom, cited in ``kernels/gfx950/probe.py``): lane 16 g + t
+    element k (of n = 64 / bits) = lane 16 g + (16 / n) k + t // n's element t % n.
+    """
+    size = bits // 8  # bytes per element
+    n = 8 // size  # elements per lane
+    lane, j = np.arange(64)[:, None], np.arange(8)[None, :]
+    g, t, k = lane >> 4, lane & 15, j // size
+    src, elem = {
+        "transposed": (16 * g + (16 // n) * k + t // n, t % n),
+        "blocks": (16 * g + n * (t // n) + k, t % n),
+        "plain": (lane, k),
+    }[semantics]
+    return np.asarray(addrs)[src] + elem * size + j % size
+
+
+def tr_probe_sources(addrs, bits, read=None) -> np.ndarray:
+    """[64, 8]: the LDS byte each result byte of the probe came from: two runs, LDS byte a
+    holding ``a & 255``, then ``a >> 8``. ``read(lds, addrs) -> [64, 2] uint32`` runs the probe
+    (default: the ``ds_read_tr_probe`` kernel; the CPU tests pass models of the hardware)."""
+    if read is None:
+        from jax_sparse_mla.ffi.calls import ds_read_tr_probe
+
+        fn = jitted(ds_read_tr_probe, bits=bits)
+
+        def read(lds, addrs):
+            return np.asarray(fn(jnp.asarray(lds), jnp.asarray(addrs, jnp.int32)))
+
+    a = np.arange(1024)
+
+    def run(pattern):
+        regs = np.asarray(read(pattern.astype(np.uint8), addrs), "<u4")
+        return regs.view(np.uint8).reshape(64, 8).astype(np.int64)
+
+    return run(a & 255) | (run(a >> 8) << 8)
+
+
+def check_tr_lane_map(bits, users, read=None):
+    """The probe's ``ds_read_b64_tr_b{bits}`` against the documented semantics; on a failure the
+    message names the semantics observed (``tr_semantics``) or shows lanes 0-15's sources.
+    ``read``: as in ``tr_probe_sources``."""
+    got = tr_probe_sources(TR_PROBE_ADDRS, bits, read)
+    want = tr_read_sources(TR_PROBE_ADDRS, bits)
+    if np.array_equal(got, want):
+        return
+    alternatives = {s: tr_read_sources(TR_PROBE_ADDRS, bits, s) for s in ("blocks", "plain")}
+    seen = [s for s, alt in alternatives.items() if np.array_equal(got, alt)]
+    if seen:
+        observed = f"the hardware does this instead: {tr_semantics(seen[0], bits)}"
+    else:
+        lane_of = {int(a): lane for lane, a in enumerate(TR_PROBE_ADDRS)}
+        rows = [" ".join(f"{lane_of.get(a & ~7, '?')}.{a & 7}" for a in got[t].tolist())
+                for t in range(16)]  # fmt: skip
+        observed = (
+            f"no known semantics matches; lanes 0-15 got (source lane.byte): {'; '.join(rows)}"
+        )
+    pytest.fail(
+        f"ds_read_b64_tr_b{bits}: {int(np.sum(got != want))} of 512 result bytes differ from the "
+        f"documented semantics that {users} assume ({tr_semantics('transposed', bits)}); {observed}"
+    )
+
+
+def test_ds_read_b64_tr_b8_lane_map():
+    """sparse_mla and mla_decode read V^T from LDS with ds_read_b64_tr_b8 and assume: within each
+    row of 16 lanes, lane t byte k = lane 2 k + t // 8's byte t % 8 (their module docstrings;
+    tests/test_emulation_{sparse_mla,mla_decode}.py::_tr8 model it)."""
+    check_tr_lane_map(8, "sparse_mla and mla_decode (V^T operands)")
+
+
+def test_ds_read_b64_tr_b16_lane_map():
+    """ultraquant reads V^T from LDS with ds_read_b64_tr_b16 and assumes: within each row of 16
+    lanes, lane t element k (2 bytes) = lane 4 k + t // 4's element t % 4 (its _v_read_offset;
+    tests/test_emulation_ultraquant.py::_tr16 models it)."""
+    check_tr_lane_map(16, "ultraquant (V^T operands)")
+
+
+# =============================================================================================
 # sparse_mla
 # =============================================================================================
 
