@@ -11,6 +11,9 @@ Record writers and readers live in ``jax_sparse_mla.formats`` and are re-exporte
 ``selfcheck()`` checks the gfx950 kernels on an MI355 against their emulation (``self_check``).
 """
 
+from importlib import metadata as _metadata
+from pathlib import Path as _Path
+
 from jax_sparse_mla.ffi import rocm_library
 from jax_sparse_mla.formats import (
     concat_and_cache_ds_mla,
@@ -34,7 +37,19 @@ from jax_sparse_mla.sparse_mla import (
 )
 from jax_sparse_mla.ultraquant import ultraquant_decode, validate_ultraquant_decode
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    """The installed distribution's version; in a source tree without one, pyproject.toml's."""
+    try:
+        return _metadata.version("jax_sparse_mla")
+    except _metadata.PackageNotFoundError:
+        import tomllib
+
+        pyproject = _Path(__file__).resolve().parents[1] / "pyproject.toml"
+        return tomllib.loads(pyproject.read_text())["project"]["version"]
+
+
+__version__ = _version()
 
 rocm_library()  # registers the gfx950 kernels' custom call targets for platform "ROCM"
 
