@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 import jax
+import jax.numpy as jnp
 
 IMPLEMENTATIONS = ("xla", "gfx950_emulation", "pallas", "flydsl")
 
@@ -38,6 +39,45 @@ def resolve_implementation(op: str, implementation: str | None, table: Mapping[s
             "Use implementation='xla' (or None)."
         )
     return table[name]
+
+
+def with_exact_gradient(fn: Callable, exact: Callable) -> Callable:
+    """``fn(*arrays, **options)`` whose VJP is ``exact``'s (the "xla" implementation's).
+
+    For implementations without a usable derivative of their own (Pallas kernels, FFI calls,
+    emulated roundings): the forward pass is ``fn``, the backward pass the VJP of ``exact`` at
+    the same arguments, its cotangents cast to ``exact``'s output dtypes. Options that are
+    traced arrays (e.g. a traced ``sm_scale``) are differentiated too; static options (ints,
+    numpy scalars) and integer / uint8 arrays get no cotangent. Works under ``jax.jit`` and
+    ``jax.vmap``.
+    """
+
+    def run(*args, **options):
+        traced = [k for k, v in options.items() if isinstance(v, jax.core.Tracer)]
+        static = {k: v for k, v in options.items() if k not in traced}
+        n = len(args)
+
+        def bind(f):
+            return lambda *xs: f(*xs[:n], **static, **dict(zip(traced, xs[n:], strict=True)))
+
+        call = jax.custom_vjp(bind(fn))
+
+        def fwd(*xs):
+            return bind(fn)(*xs), xs
+
+        def bwd(xs, cts):
+            out, vjp = jax.vjp(bind(exact), *xs)
+            cts = jax.tree.map(lambda c, o: c.astype(o.dtype), cts, out)
+            grads = vjp(cts)
+            return tuple(
+                g if jnp.issubdtype(x.dtype, jnp.inexact) else None
+                for g, x in zip(grads, xs, strict=True)
+            )
+
+        call.defvjp(fwd, bwd)
+        return call(*args, *(options[k] for k in traced))
+
+    return run
 
 
 def by_platform(default: Callable, **per_platform: Callable) -> Callable:

@@ -123,6 +123,9 @@ def fp8_ds_mla_scales(latent: jax.Array) -> jax.Array:
 def pack_fp8_ds_mla(latent: jax.Array, rope: jax.Array) -> jax.Array:
     """Packs tokens into 656-byte fp8_ds_mla records.
 
+    Not differentiable: the result is bytes (a quantizer's derivative is zero almost
+    everywhere), so ``jax.grad`` through it is zero, never an estimate.
+
     Args:
       latent: [N, 512] float (bf16, f16 or f32), quantized to e4m3fn with per-128 pow2 scales.
       rope: [N, 64] float, stored as bf16 (copied when bf16, else rounded to nearest even).
@@ -148,7 +151,7 @@ def _pack_records(latent: jax.Array, rope: jax.Array) -> jax.Array:
 
 
 def unpack_fp8_ds_mla(records: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Reads fp8_ds_mla records.
+    """Reads fp8_ds_mla records. Not differentiable w.r.t. the records (integer bytes).
 
     Args:
       records: [..., 656] uint8.
@@ -204,6 +207,8 @@ def concat_and_cache_ds_mla(
 ) -> jax.Array:
     """Writes tokens into an fp8_ds_mla cache (vLLM's ``concat_and_cache_ds_mla``).
 
+    Not differentiable (the cache is bytes: ``jax.grad`` through it is zero).
+
     Args:
       cache: [..., 656] uint8; its rows flattened are the slots (e.g. [blocks, block_size, 656]).
       latent: [T, 512] float.
@@ -234,6 +239,8 @@ def concat_and_cache_mla(
     scale=1.0,
 ) -> jax.Array:
     """Writes tokens into the fp8 latent cache read by ``mla_decode``.
+
+    Not differentiable (the cache is fp8 / byte codes: ``jax.grad`` through it is zero).
 
     ``code = e4m3fn(float32(x) / scale)``, rounded to nearest even and saturated to ±448, for
     ``x = latent ‖ rope``. ``mla_decode`` reads K = code * k_scale and V = code[:512] * v_scale.
@@ -301,6 +308,8 @@ def ultraquant_rotate(x: jax.Array) -> jax.Array:
 def ultraquant_quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """UltraQuant FP4 quantizer over 32-groups of the last axis (values already rotated).
 
+    Not differentiable (codes and scale bytes: ``jax.grad`` through it is zero).
+
     Per group: ``e = floor(log2(0.156 * amax) + 0.5)`` (float32 product, exact log2), clamped
     to [-126, 127], scale byte ``e + 127`` (0 for an all-zero group); each value ``y = x / 2^e``
     becomes the E2M1 level ``levels[sum(y > midpoints)]`` (ties to the lower level, ±6
@@ -359,7 +368,7 @@ def ultraquant_dequantize(codes: jax.Array, scales: jax.Array) -> jax.Array:
 
 
 def ultraquant_unpack(cache: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Decodes UltraQuant slots.
+    """Decodes UltraQuant slots. Not differentiable w.r.t. the cache (integer bytes).
 
     Args:
       cache: [..., slot_bytes] uint8 (e.g. [num_blocks, block_size, Hk, slot_bytes]).
@@ -401,6 +410,8 @@ def ultraquant_store(
     cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
 ) -> jax.Array:
     """Quantizes tokens into an UltraQuant FP4 paged cache.
+
+    Not differentiable (the cache is bytes: ``jax.grad`` through it is zero).
 
     K is rotated (``ultraquant_rotate``: H/16, natural column order) in float32 and quantized
     per 32-group of rotated dims (32g .. 32g+31); V is quantized as given. Bytes past 272 of a

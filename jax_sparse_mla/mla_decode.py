@@ -19,7 +19,7 @@ from jax_sparse_mla._checks import (
     check_scalar,
     run_data_check,
 )
-from jax_sparse_mla._dispatch import by_platform, resolve_implementation
+from jax_sparse_mla._dispatch import by_platform, resolve_implementation, with_exact_gradient
 from jax_sparse_mla.emulation.mla_decode import (
     merge_attn_states_gfx950_emulation,
     mla_decode_partials_gfx950_emulation,
@@ -134,12 +134,19 @@ def _auto(field: str):
     )
 
 
+def _exact_gradient(impl: DecodeImplementation) -> DecodeImplementation:
+    """``impl`` with the gradients of the "xla" implementation (every field)."""
+    return DecodeImplementation(
+        *(with_exact_gradient(f, x) for f, x in zip(impl, _XLA, strict=True))
+    )
+
+
 _IMPLEMENTATIONS = {
     "xla": _XLA,
-    "gfx950_emulation": _GFX950_EMULATION,
-    "pallas": _PALLAS,
-    "flydsl": _FLYDSL,
-    None: DecodeImplementation(*(_auto(f) for f in DecodeImplementation._fields)),
+    "gfx950_emulation": _exact_gradient(_GFX950_EMULATION),
+    "pallas": _exact_gradient(_PALLAS),
+    "flydsl": _exact_gradient(_FLYDSL),
+    None: _exact_gradient(DecodeImplementation(*(_auto(f) for f in DecodeImplementation._fields))),
 }
 _KV_DTYPES = (jnp.float8_e4m3fn, jnp.uint8)
 
@@ -166,6 +173,9 @@ def mla_decode(
     key positions ``j <= seq_len_r - qlen + i``. Indices outside [0, tokens) are masked; a row
     with no visible key gives out 0 and lse -inf. Every argument may be a jax or a numpy array;
     zero-size inputs (0 requests, heads, indices or tokens) give the empty or no-key result.
+    Differentiable w.r.t. ``q`` and traced ``k_scale`` / ``v_scale`` / ``sm_scale`` with every
+    implementation (the gradient is always the exact "xla" path's), as are the partials and
+    ``merge_attn_states``.
 
     Args:
       q: [B * qlen, H, 576] bfloat16; row r * qlen + i is position i of request r.
@@ -310,7 +320,8 @@ def merge_attn_states(
     """Combines attention partials (split KV, or context-parallel shards across devices).
 
     Weights are ``exp(lse_s - max_s lse_s)``; a -inf partial has weight 0 (its o is ignored,
-    even if NaN); when every partial is -inf the output is 0 and the lse -inf.
+    even if NaN); when every partial is -inf the output is 0 and the lse -inf. Differentiable
+    w.r.t. ``o_parts`` and ``lse_parts`` with every implementation (the "xla" gradient).
 
     Args:
       o_parts: [n, S, H, D] float partial outputs, each normalized by its own sum.

@@ -14,7 +14,7 @@ from jax_sparse_mla._checks import (
     check_scalar,
     run_data_check,
 )
-from jax_sparse_mla._dispatch import by_platform, resolve_implementation
+from jax_sparse_mla._dispatch import by_platform, resolve_implementation, with_exact_gradient
 from jax_sparse_mla.emulation.sparse_mla import sparse_mla_gfx950_emulation
 from jax_sparse_mla.ffi.calls import gfx950_or, sparse_mla_flydsl, sparse_mla_unsupported
 from jax_sparse_mla.formats import KV_DIM, MAX_KERNEL_SCALE, RECORD_BYTES, SCALES_OFFSET
@@ -39,17 +39,22 @@ _XLA = _lse_if(sparse_mla_xla)
 
 # implementation name -> fn(q, kv, idx, indptr, sm_scale, *, return_lse) -> (out bf16, lse f32 or
 # None); None is the choice of implementation=None: the FlyDSL kernel on gfx950 (ROCm), the
-# Pallas kernel on Hopper GPUs, "xla" everywhere else.
+# Pallas kernel on Hopper GPUs, "xla" everywhere else. Every gradient is the "xla" path's.
 _IMPLEMENTATIONS = {
     "xla": _XLA,
-    "gfx950_emulation": _lse_if(sparse_mla_gfx950_emulation),
-    "pallas": _lse_if(sparse_mla_pallas),
-    "flydsl": sparse_mla_flydsl,
-    None: by_platform(
-        default=_XLA,
-        cuda=hopper_or(_lse_if(sparse_mla_kernel), _XLA),
-        rocm=gfx950_or("sparse_mla", sparse_mla_flydsl, _XLA, sparse_mla_unsupported),
-    ),
+    **{
+        name: with_exact_gradient(fn, _XLA)
+        for name, fn in {
+            "gfx950_emulation": _lse_if(sparse_mla_gfx950_emulation),
+            "pallas": _lse_if(sparse_mla_pallas),
+            "flydsl": sparse_mla_flydsl,
+            None: by_platform(
+                default=_XLA,
+                cuda=hopper_or(_lse_if(sparse_mla_kernel), _XLA),
+                rocm=gfx950_or("sparse_mla", sparse_mla_flydsl, _XLA, sparse_mla_unsupported),
+            ),
+        }.items()
+    },
 }
 
 
@@ -71,7 +76,8 @@ def sparse_mla(
     Entries < 0 or >= the number of kv rows are masked (never read); a row with no unmasked key
     gives out 0 and lse -inf. A row with ``indptr[r+1] < indptr[r]`` is empty. Every argument
     may be a jax or a numpy array; zero-size inputs (0 rows, heads, entries or records) give
-    the empty or no-key result.
+    the empty or no-key result. Differentiable w.r.t. ``q`` and a traced ``sm_scale`` with
+    every implementation (the gradient is always the exact "xla" path's; jit and vmap work).
 
     Args:
       q: [n_q, H, 576] bfloat16.

@@ -14,7 +14,7 @@ from jax_sparse_mla._checks import (
     check_scalar,
     run_data_check,
 )
-from jax_sparse_mla._dispatch import by_platform, resolve_implementation
+from jax_sparse_mla._dispatch import by_platform, resolve_implementation, with_exact_gradient
 from jax_sparse_mla.emulation.ultraquant import ultraquant_decode_gfx950_emulation
 from jax_sparse_mla.ffi.calls import gfx950_or, ultraquant_decode_flydsl, ultraquant_unsupported
 from jax_sparse_mla.formats import UQ_HEAD_DIM, check_ultraquant_cache
@@ -31,19 +31,27 @@ DEFAULT_SM_SCALE = 1.0 / 16.0
 # implementation name -> fn(q, cache, block_tables, seq_lens, *, sm_scale, num_partitions) -> bf16
 # (num_partitions None: the implementation's choice); None is the choice of
 # implementation=None: the FlyDSL kernels on gfx950 (ROCm), the Pallas kernel on Hopper GPUs,
-# "xla" everywhere else.
+# "xla" everywhere else. Every gradient is the "xla" path's.
 _IMPLEMENTATIONS = {
     "xla": ultraquant_decode_xla,
-    "gfx950_emulation": ultraquant_decode_gfx950_emulation,
-    "pallas": ultraquant_decode_pallas,
-    "flydsl": ultraquant_decode_flydsl,
-    None: by_platform(
-        default=ultraquant_decode_xla,
-        cuda=hopper_or(ultraquant_decode_kernel, ultraquant_decode_xla),
-        rocm=gfx950_or(
-            "ultraquant", ultraquant_decode_flydsl, ultraquant_decode_xla, ultraquant_unsupported
-        ),
-    ),
+    **{
+        name: with_exact_gradient(fn, ultraquant_decode_xla)
+        for name, fn in {
+            "gfx950_emulation": ultraquant_decode_gfx950_emulation,
+            "pallas": ultraquant_decode_pallas,
+            "flydsl": ultraquant_decode_flydsl,
+            None: by_platform(
+                default=ultraquant_decode_xla,
+                cuda=hopper_or(ultraquant_decode_kernel, ultraquant_decode_xla),
+                rocm=gfx950_or(
+                    "ultraquant",
+                    ultraquant_decode_flydsl,
+                    ultraquant_decode_xla,
+                    ultraquant_unsupported,
+                ),
+            ),
+        }.items()
+    },
 }
 
 
@@ -66,6 +74,8 @@ def ultraquant_decode(
     [0, num_blocks) masks its tokens; ``seq_lens`` is clamped to [0, max_blocks * block_size]; a
     request with no key gives 0. Every argument may be a jax or a numpy array; zero-size inputs
     (0 requests, query heads, blocks or block slots) give the empty or zero result.
+    Differentiable w.r.t. ``q`` and a traced ``sm_scale`` with every implementation (the
+    gradient is always the exact "xla" path's).
 
     Args:
       q: [B, Hq, 256] bfloat16, not rotated.

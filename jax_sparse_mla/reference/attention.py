@@ -37,6 +37,11 @@ def attend_tiles(
 ) -> tuple[jax.Array, jax.Array]:
     """softmax(sm_scale * q·k) @ v over tiles of keys, with an f32 online softmax.
 
+    Differentiable w.r.t. ``q`` and ``sm_scale`` under ``jax.jit`` (a custom VJP: the backward
+    pass walks the same tiles again, flash-attention style, so it needs no stored tiles and no
+    static tile count). ``load_tile``'s own inputs (codes, indices) are not differentiated; it
+    must not close over float arrays (scales go into ``sm_scale`` or the caller's output).
+
     Args:
       q: [R, G, M, Dk] float32 queries (R rows, G key heads, M queries per key head).
       num_tiles: number of tiles (traced or static); tile ``t`` is ``load_tile(t)``.
@@ -46,26 +51,44 @@ def attend_tiles(
       o [R, G, M, Dv] float32 (normalized; 0 where no key is valid) and
       lse [R, G, M] float32 (natural log of the sum of exp(scores); -inf where no key is valid).
     """
+    load, consts = jax.closure_convert(load_tile, jnp.int32(0))
+    if any(jnp.issubdtype(c.dtype, jnp.inexact) for c in consts):
+        raise NotImplementedError(
+            "attend_tiles: load_tile closes over a differentiated float array; pass scales "
+            "through sm_scale or apply them to the output"
+        )
+    n = jnp.asarray(num_tiles, jnp.int32)
+    return _attend(load, q, jnp.asarray(sm_scale, jnp.float32), n, *consts)
+
+
+def _scores(q, tile: KeyTile, sm_scale):
+    """One tile: scores [R, G, M, T] (-inf where a key is invalid or hidden; NaN where a visible
+    key's v is not finite), and k, v with every value that meets a 0 weight made finite."""
+    key_ok = tile.key_valid[:, :, None, None]
+    k = jnp.where(key_ok, tile.k, 0.0)
+    v = jnp.where(key_ok, tile.v, 0.0)
+    s = jnp.einsum("rgmd,rtgd->rgmt", q, k, precision=_HIGHEST) * sm_scale
+    valid = tile.key_valid[:, None, None, :]
+    if tile.row_mask is not None:
+        valid = valid & tile.row_mask
+    s = jnp.where(valid, s, -jnp.inf)
+    if tile.row_mask is not None:  # P @ V on finite values; a visible non-finite v: NaN
+        v_ok = jnp.isfinite(v)
+        v = jnp.where(v_ok, v, 0.0)
+        k = jnp.where(jnp.isfinite(k), k, 0.0)
+        bad = jnp.moveaxis(~jnp.all(v_ok, axis=-1), 1, -1)[:, :, None]  # [R, G, 1, T]
+        s = jnp.where(valid & bad, jnp.nan, s)
+    return s, k, v
+
+
+def _forward(load, q, sm_scale, num_tiles, *consts):
     r, g, m, _ = q.shape
-    dv = jax.eval_shape(load_tile, jnp.int32(0)).v.shape[-1]
+    dv = jax.eval_shape(load, jnp.int32(0), *consts).v.shape[-1]
     neg_inf = jnp.float32(-jnp.inf)
 
     def step(t, carry):
         m_run, l_run, acc = carry
-        tile = load_tile(t)
-        key_ok = tile.key_valid[:, :, None, None]
-        k = jnp.where(key_ok, tile.k, 0.0)
-        v = jnp.where(key_ok, tile.v, 0.0)
-        s = jnp.einsum("rgmd,rtgd->rgmt", q, k, precision=_HIGHEST) * sm_scale
-        valid = tile.key_valid[:, None, None, :]
-        if tile.row_mask is not None:
-            valid = valid & tile.row_mask
-        s = jnp.where(valid, s, neg_inf)
-        if tile.row_mask is not None:  # P @ V on finite values; a visible non-finite v: NaN
-            v_ok = jnp.isfinite(v)
-            v = jnp.where(v_ok, v, 0.0)
-            bad = jnp.moveaxis(~jnp.all(v_ok, axis=-1), 1, -1)[:, :, None]  # [R, G, 1, T]
-            s = jnp.where(valid & bad, jnp.nan, s)
+        s, _, v = _scores(q, load(t, *consts), sm_scale)
         m_new = jnp.maximum(m_run, jnp.max(s, axis=-1))
         m_ref = jnp.where(m_new == neg_inf, 0.0, m_new)  # no valid key yet: keep exp finite
         alpha = jnp.exp(m_run - m_ref)
@@ -86,6 +109,34 @@ def attend_tiles(
     o = jnp.where(has_keys[..., None], acc / jnp.where(has_keys, l_fin, 1.0)[..., None], 0.0)
     lse = jnp.where(has_keys, m_fin + jnp.log(jnp.where(has_keys, l_fin, 1.0)), neg_inf)
     return o, lse
+
+
+_attend = jax.custom_vjp(_forward, nondiff_argnums=(0,))
+
+
+def _attend_fwd(load, q, sm_scale, num_tiles, *consts):
+    o, lse = _forward(load, q, sm_scale, num_tiles, *consts)
+    return (o, lse), (q, sm_scale, num_tiles, consts, o, lse)
+
+
+def _attend_bwd(load, res, cts):
+    """dS = P (dO·v - dO·o + dlse), dq = sm_scale sum_k dS k, dsm_scale = sum(q · sum_k dS k)."""
+    q, sm_scale, num_tiles, consts, o, lse = res
+    d_o, d_lse = cts
+    lse_ref = jnp.where(lse == -jnp.inf, 0.0, lse)[..., None]  # no key: every P is 0
+    delta = (jnp.sum(d_o * o, axis=-1) - d_lse)[..., None]
+
+    def step(t, dq):
+        s, k, v = _scores(q, load(t, *consts), sm_scale)
+        p = jnp.exp(s - lse_ref)
+        dp = jnp.einsum("rgmd,rtgd->rgmt", d_o, v, precision=_HIGHEST)
+        return dq + jnp.einsum("rgmt,rtgd->rgmd", p * (dp - delta), k, precision=_HIGHEST)
+
+    dq = jax.lax.fori_loop(0, num_tiles, step, jnp.zeros_like(q))
+    return (dq * sm_scale, jnp.sum(q * dq), None, *(None for _ in consts))
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def merge_partials(o_parts: jax.Array, lse_parts: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -77,17 +77,17 @@ def mla_decode_partials_f32(
         key_valid = (j < hi[:, None]) & (tok >= 0) & (tok < tokens)
         rows_u8 = kv[jnp.where(key_valid, tok, 0)]  # [R, tile, 576]: gather bytes, then convert
         codes = jax.lax.bitcast_convert_type(rows_u8, jnp.float8_e4m3fn).astype(jnp.float32)
-        k = codes * k_scale
-        v = codes[..., :LATENT_DIM] * v_scale
         causal = j[:, None, :] <= bound[:, :, None]  # [R, qlen, tile]
         causal = jnp.broadcast_to(causal[:, :, None, :], (b * s, qlen, h, tile))
         row_mask = causal.reshape(b * s, 1, qlen * h, tile)
-        return KeyTile(k[:, :, None], v[:, :, None], key_valid, row_mask)
+        return KeyTile(codes[:, :, None], codes[:, :, None, :LATENT_DIM], key_valid, row_mask)
 
     num_tiles = ceil_div(jnp.max(jnp.maximum(hi - lo, 0)), tile)
     qf = q.astype(jnp.float32).reshape(b, 1, 1, qlen * h, -1)
     qf = jnp.broadcast_to(qf, (b, s, 1, qlen * h, qf.shape[-1])).reshape(b * s, 1, qlen * h, -1)
-    o, lse = attend_tiles(qf, num_tiles, load_tile, sm_scale)
+    # k_scale joins the score scale and v_scale the output (the codes are the tiles' K and V)
+    o, lse = attend_tiles(qf, num_tiles, load_tile, sm_scale * k_scale)
+    o = o * v_scale
     o = o.reshape(b, s, qlen, h, LATENT_DIM).transpose(0, 2, 1, 3, 4).reshape(rows, s, h, -1)
     lse = lse.reshape(b, s, qlen, h).transpose(0, 2, 1, 3).reshape(rows, s, h)
     return o, lse

@@ -1,0 +1,247 @@
+"""Gradients: jax.grad / jax.vjp of every op with every implementation equal the exact ("xla")
+path's gradient, which is checked against central differences of the float64 oracle.
+
+Losses are linear in the outputs with bf16-exact weights, so every implementation's backward
+pass (the "xla" VJP at the same inputs) gets the same cotangents: their gradients must equal
+the "xla" gradient bit for bit.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_sparse_mla as jsm
+from tests import cases as C
+from tests import oracle as O
+from tests.impls import available
+
+IMPLS = available()
+
+
+def _weights(seed, shape):
+    """bf16-exact weights (multiples of 1/8 in [-2, 2])."""
+    return (C.rng(seed).integers(-16, 17, shape) / 8.0).astype(np.float32)
+
+
+def _finite(x):
+    return jnp.where(jnp.isfinite(x), x, 0.0)
+
+
+def _fd(loss64, x, d, eps):
+    """Central difference of the float64 loss along d."""
+    return (loss64(x + eps * d) - loss64(x - eps * d)) / (2 * eps)
+
+
+# ---------------------------------------------------------------------------------------------
+# sparse_mla
+# ---------------------------------------------------------------------------------------------
+
+
+def _sparse():
+    c = C.sparse_case(31, n_q=3, h=2, n_rec=8, n_nan=2, max_len=12)
+    w_o, w_l = _weights(1, (3, 2, 512)), _weights(2, (3, 2))
+    args = (jnp.asarray(c.kv), jnp.asarray(c.idx), jnp.asarray(c.indptr))
+
+    def loss(q, sm, impl):
+        out, lse = jsm.sparse_mla(q, *args, sm_scale=sm, return_lse=True, implementation=impl)
+        return jnp.sum(out.astype(jnp.float32) * w_o) + jnp.sum(_finite(lse) * w_l)
+
+    def loss64(q, sm):
+        out, lse = O.sparse_mla(q, c.kv, c.idx, c.indptr, sm_scale=sm)
+        return np.sum(out * w_o) + np.sum(np.where(np.isfinite(lse), lse, 0) * w_l)
+
+    return c.q, loss, loss64
+
+
+def test_sparse_mla_xla_gradient_vs_oracle():
+    q, loss, loss64 = _sparse()
+    sm = jnp.float32(0.06)
+    gq, gs = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(q, sm, "xla")
+    q64 = O.to_f64(q)
+    d = np.asarray(C.rng(3).standard_normal(q.shape))
+    fd = _fd(lambda x: loss64(x, 0.06), q64, d, 1e-3)
+    # bf16 outputs: the loss moves by one bf16 ulp of an output per 2^-8 of relative change,
+    # so the directional derivative is good to ~2^-8 of its scale
+    scale = np.sum(np.abs(np.asarray(gq, np.float64) * d))
+    assert abs(np.sum(np.asarray(gq, np.float64) * d) - fd) <= 2**-7 * scale + 1e-6
+    fd_s = _fd(lambda s: loss64(q64, s), 0.06, 1.0, 1e-4)
+    assert abs(float(gs) - fd_s) <= 2**-7 * abs(fd_s) + 1e-3
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_sparse_mla_gradient_equals_xla(impl):
+    q, loss, _ = _sparse()
+    sm = jnp.float32(0.06)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+    want = grad(q, sm, "xla")
+    got = grad(q, sm, impl)
+    for a, b in zip(got, want, strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    # eager, a static sm_scale, and vmap over a batch of queries
+    g_static = jax.grad(lambda x: loss(x, 0.06, impl))(q)
+    assert np.array_equal(np.asarray(g_static, np.float32), np.asarray(want[0], np.float32))
+
+    def batched(name):  # the batched gradient's f32 sums may round differently: compare batched
+        return np.asarray(jax.vmap(jax.grad(lambda x: loss(x, 0.06, name)))(jnp.stack([q, q])))
+
+    gv = batched(impl)
+    assert gv.tobytes() == batched("xla").tobytes() and np.array_equal(gv[0], gv[1])
+    np.testing.assert_allclose(gv[0].astype(np.float32), np.asarray(want[0], np.float32),
+                               rtol=2**-7, atol=2**-7 * float(np.max(np.abs(want[0]))))  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# mla_decode, its partials and merge_attn_states
+# ---------------------------------------------------------------------------------------------
+
+
+def _decode():
+    c = C.decode_case(32, seq_lens=(3, 140), h=2, qlen=2, n_nan=0)
+    args = (c.kv, jnp.asarray(c.kv_indices), jnp.asarray(c.kv_indptr))
+    rows = 4
+    w_o, w_l = _weights(4, (rows, 2, 512)), _weights(5, (rows, 2))
+    w_po, w_pl = _weights(6, (rows, 2, 2, 512)), _weights(7, (rows, 2, 2))
+
+    def loss(q, ks, vs, impl):
+        kw = dict(qlen=2, k_scale=ks, v_scale=vs, implementation=impl)
+        out, lse = jsm.mla_decode(q, *args, return_lse=True, num_splits=2, **kw)
+        o_p, l_p = jsm.mla_decode_partials(q, *args, num_splits=2, **kw)
+        return (
+            jnp.sum(out.astype(jnp.float32) * w_o)
+            + jnp.sum(_finite(lse) * w_l)
+            + jnp.sum(o_p.astype(jnp.float32) * w_po)
+            + jnp.sum(_finite(l_p) * w_pl)
+        )
+
+    def loss64(q, ks, vs):
+        out, lse = O.mla_decode(q, c.kv_codes, c.kv_indices, c.kv_indptr, qlen=2, k_scale=ks,
+                                v_scale=vs)  # fmt: skip
+        o_p, l_p = O.mla_decode(q, c.kv_codes, c.kv_indices, c.kv_indptr, qlen=2, k_scale=ks,
+                                v_scale=vs, num_splits=2)  # fmt: skip
+
+        def fin(x):
+            return np.where(np.isfinite(x), x, 0)
+
+        return (
+            np.sum(out * w_o)
+            + np.sum(fin(lse) * w_l)
+            + np.sum(o_p * w_po)
+            + np.sum(fin(l_p) * w_pl)
+        )
+
+    return c, loss, loss64
+
+
+def test_mla_decode_xla_gradient_vs_oracle():
+    c, loss, loss64 = _decode()
+    ks, vs = jnp.float32(c.k_scale), jnp.float32(c.v_scale)
+    gq, gk, gv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(c.q, ks, vs, "xla")
+    q64 = O.to_f64(c.q)
+    k64, v64 = float(ks), float(vs)
+    d = np.asarray(C.rng(8).standard_normal(c.q.shape))
+    fd = _fd(lambda x: loss64(x, k64, v64), q64, d, 1e-3)
+    scale = np.sum(np.abs(np.asarray(gq, np.float64) * d))
+    assert abs(np.sum(np.asarray(gq, np.float64) * d) - fd) <= 2**-7 * scale + 1e-6
+    fd_k = _fd(lambda k: loss64(q64, k, v64), k64, 1.0, k64 * 1e-4)
+    fd_v = _fd(lambda v: loss64(q64, k64, v), v64, 1.0, v64 * 1e-4)
+    assert abs(float(gk) - fd_k) <= 2**-7 * abs(fd_k) + 1e-2
+    assert abs(float(gv) - fd_v) <= 2**-7 * abs(fd_v) + 1e-2
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mla_decode_gradient_equals_xla(impl):
+    c, loss, _ = _decode()
+    ks, vs = jnp.float32(c.k_scale), jnp.float32(c.v_scale)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)
+    want = grad(c.q, ks, vs, "xla")
+    got = grad(c.q, ks, vs, impl)
+    for a, b in zip(got, want, strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_merge_gradient(impl):
+    r = C.rng(9)
+    o_parts = jnp.asarray(r.standard_normal((3, 3, 2, 512)), jnp.float32)
+    lse = np.asarray(r.standard_normal((3, 3, 2)), np.float32)
+    lse[0, 1] = -np.inf  # a -inf partial: no weight, no gradient into its o
+    lse[1] = -np.inf  # a row without any partial
+    lse = jnp.asarray(lse)
+    w_o, w_l = _weights(10, (3, 2, 512)), _weights(11, (3, 2))
+
+    def loss(o, lp, impl):
+        out, l_out = jsm.merge_attn_states(o, lp, return_lse=True, implementation=impl)
+        return jnp.sum(out.astype(jnp.float32) * w_o) + jnp.sum(_finite(l_out) * w_l)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+    go, gl = grad(o_parts, lse, impl)
+    want = grad(o_parts, lse, "xla")
+    assert np.asarray(go).tobytes() == np.asarray(want[0]).tobytes()
+    assert np.asarray(gl).tobytes() == np.asarray(want[1]).tobytes()
+    assert np.all(np.isfinite(go)) and np.all(np.isfinite(gl))
+    assert np.all(np.asarray(go)[0, 1] == 0) and np.all(np.asarray(go)[1] == 0)
+    # the xla gradient against float64 central differences of the oracle's merge
+    o64, l64 = np.asarray(o_parts, np.float64), np.asarray(lse, np.float64)
+
+    def loss64(o, lp):
+        out, l_out = O.merge_attn_states(o, lp)
+        return np.sum(out * w_o) + np.sum(np.where(np.isfinite(l_out), l_out, 0) * w_l)
+
+    d_o = np.asarray(r.standard_normal(o64.shape))
+    fd = _fd(lambda x: loss64(x, l64), o64, d_o, 1e-3)
+    assert abs(np.sum(np.asarray(want[0], np.float64) * d_o) - fd) <= 1e-4 * (1 + abs(fd))
+    d_l = np.where(np.isfinite(l64), r.standard_normal(l64.shape), 0)
+    fd = _fd(lambda x: loss64(o64, x), l64, d_l, 1e-3)
+    assert abs(np.sum(np.asarray(want[1], np.float64) * d_l) - fd) <= 1e-4 * (1 + abs(fd))
+
+
+# ---------------------------------------------------------------------------------------------
+# ultraquant_decode
+# ---------------------------------------------------------------------------------------------
+
+
+def _uq():
+    c = C.uq_case(33, seq_lens=(0, 20, 70), hk=1, g=2)
+    w = _weights(12, c.q.shape)
+    args = (jnp.asarray(c.cache), jnp.asarray(c.block_tables), jnp.asarray(c.seq_lens))
+
+    def loss(q, sm, impl):
+        out = jsm.ultraquant_decode(q, *args, sm_scale=sm, implementation=impl)
+        return jnp.sum(out.astype(jnp.float32) * w)
+
+    def loss64(q, sm):
+        out, _ = O.ultraquant_decode(q, c.cache, c.block_tables, c.seq_lens, sm_scale=sm)
+        return np.sum(out * w)
+
+    return c, loss, loss64
+
+
+def test_ultraquant_xla_gradient_vs_oracle():
+    c, loss, loss64 = _uq()
+    gq, gs = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(
+        c.q, jnp.float32(0.0625), "xla"
+    )
+    q64 = O.to_f64(c.q)
+    d = np.asarray(C.rng(13).standard_normal(c.q.shape))
+    fd = _fd(lambda x: loss64(x, 0.0625), q64, d, 1e-3)
+    scale = np.sum(np.abs(np.asarray(gq, np.float64) * d))
+    assert abs(np.sum(np.asarray(gq, np.float64) * d) - fd) <= 2**-7 * scale + 1e-6
+    assert np.all(np.asarray(gq)[0] == 0)  # a request without keys
+    fd_s = _fd(lambda s: loss64(q64, s), 0.0625, 1.0, 1e-5)
+    assert abs(float(gs) - fd_s) <= 2**-7 * abs(fd_s) + 1e-3
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_ultraquant_gradient_equals_xla(impl):
+    c, loss, _ = _uq()
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+    want = grad(c.q, jnp.float32(0.0625), "xla")
+    got = grad(c.q, jnp.float32(0.0625), impl)
+    for a, b in zip(got, want, strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    vjp_out, vjp = jax.vjp(functools.partial(loss, sm=0.0625, impl=impl), c.q)
+    assert np.isfinite(float(vjp_out))
+    assert np.asarray(vjp(jnp.float32(1.0))[0]).tobytes() == np.asarray(want[0]).tobytes()
