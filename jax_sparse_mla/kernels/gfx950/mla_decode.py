@@ -47,8 +47,9 @@ into the other of two LDS slots one block ahead, computes their scores ``S^T = K
 block's row max goes through LDS; P's hi and lo go to LDS; then wave ``w`` accumulates latents
 ``[64w, 64w + 64)`` over the whole block: ``O^T += V^T P^T``, V^T read straight from the slot by
 ``ds_read_b64_tr_b8`` (assumed semantics: within each 16-lane row, destination lane ``t`` byte
-``k`` is source lane ``2k + t // 8``'s byte ``t % 8``). At the end l is summed over the waves.
-Index reads go through a buffer descriptor sized to ``kv_indices``.
+``k`` is source lane ``2k + t // 8``'s byte ``t % 8``: AMD's documented semantics, probe.py; an
+MI355 checks it by ``tests/test_gfx950.py::test_ds_read_b64_tr_b8_lane_map``). At the end l is
+summed over the waves. Index reads go through a buffer descriptor sized to ``kv_indices``.
 
 LDS (bytes, static, 152576 in all, so one CTA per CU): two K slots ``[128 keys][576 B]`` at 0 and
 73728 (16-B chunk ``c`` of key ``k`` stored at chunk ``c ^ ((k >> 2) & 3)``), P ``[hi, lo]

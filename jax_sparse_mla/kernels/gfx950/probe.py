@@ -4,8 +4,8 @@ transposing LDS read (``ds_read_b64_tr_b8`` / ``ds_read_b64_tr_b16``) of bytes g
 The kernels assume hardware semantics that no machine of this project could check (BUILD.md,
 "What only an MI355 can tell"). Each probe runs exactly one such instruction on raw per-lane
 data, so that an MI355 test can compare its result with each assumption
-(``tests/test_gfx950.py::test_mfma_operand_layouts_*`` and ``::test_ds_read_tr_b*``). Both run
-one wave (grid (1, 1, 1), block (64, 1, 1)).
+(``tests/test_gfx950.py::test_mfma_operand_layouts_*`` and
+``::test_ds_read_b64_tr_b*_lane_map``). Both run one wave (grid (1, 1, 1), block (64, 1, 1)).
 
 MFMA probe (``v_mfma_scale_f32_16x16x128_f8f6f4``; the kernels assume each operand laid out by
 its own bit width: 8-bit split, 4-bit contiguous; ``sparse_mla`` / ``mla_decode`` for

@@ -38,10 +38,11 @@ DMA from 64-bit per-lane record addresses (wave ``w`` loads latent bytes ``[128w
 of every token, right after its own PV reads of the previous tile); scale and rope words are
 plain 64-bit global loads one tile ahead; V is read with ``ds_read_b64_tr_b8`` (assumed
 semantics: within each 16-lane row, destination lane ``t`` byte ``k`` is source lane
-``2k + t // 8``'s byte ``t % 8``). Masked keys are never read: their DMA lanes are switched off
-(the tile keeps zeros from the prologue or an earlier valid record, multiplied by ``P' = 0``)
-and their scale / rope loads read the query's own row. Index reads go through a buffer
-descriptor over ``idx[b:nnz]``, so a tail tile never reads past ``idx``.
+``2k + t // 8``'s byte ``t % 8``: AMD's documented semantics, probe.py; an MI355 checks it by
+``tests/test_gfx950.py::test_ds_read_b64_tr_b8_lane_map``). Masked keys are never read: their
+DMA lanes are switched off (the tile keeps zeros from the prologue or an earlier valid record,
+multiplied by ``P' = 0``) and their scale / rope loads read the query's own row. Index reads
+go through a buffer descriptor over ``idx[b:nnz]``, so a tail tile never reads past ``idx``.
 
 Assumed MFMA operand layouts (lane ``16 G + i`` holds row i of A and column i of B): the scaled
 fp8 16x16x128 takes bytes 0-15 at K ``16 G + [0, 16)`` and 16-31 at ``64 + 16 G + [0, 16)``,

@@ -52,7 +52,9 @@ keys of partition p and writes one partial.
    p_t = exp2((s_t - M') * log2e) (0 while M' = -inf); tile sum ((p0+p1)+p2)+p3 per 4-token
    group g, then (S0+S1)+(S2+S3); L' = L * alpha + tile sum; exp2 is v_exp_f32.
 4. PV: V = fp4 * 2^(e - 127) as bf16 (v_cvt_scalef32_pk_bf16_fp4, exact) stored row-major to
-   LDS, read back transposed with ds_read_b64_tr_b16; P rounded to bf16 (RNE);
+   LDS, read back transposed with ds_read_b64_tr_b16 (within each 16-lane row, lane t element
+   k = lane 4k + t//4's element t%4: AMD's documented semantics, probe.py; an MI355 checks it
+   by tests/test_gfx950.py::test_ds_read_b64_tr_b16_lane_map); P rounded to bf16 (RNE);
    O' = O * alpha + mfma_f32_16x16x16_bf16(V^T, P) (f32 accumulation).
 5. Partial p: o = bf16(O * f32(1 / L)) (L = 0 -> divisor 1, o = 0), max_logit = M (f32,
    -inf for a partition without keys), exp_sum = L (f32).
