@@ -30,7 +30,9 @@ def check_claim(impl, temp, sizes):
     every one below _LIMIT."""
     got = dict(zip(LENGTHS, (temp(n) for n in sizes), strict=True))
     flat = LENGTHS[LENGTHS.index(impls.MEMORY_FLAT_FROM[impl]) :]
-    assert len({got[k] for k in flat}) == 1, (impl, got)
+    # XLA:GPU's buffer assignment moves a few hundred bytes between shapes (256 B seen on the
+    # H200); a buffer that follows the row would move by megabytes here
+    assert max(got[k] for k in flat) - min(got[k] for k in flat) <= 2**16, (impl, got)
     assert max(got.values()) < _LIMIT, (impl, got)
 
 

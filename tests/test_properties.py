@@ -1,5 +1,7 @@
 """Hypothesis property tests: random CSR structures, partial sets, and codec inputs, always
-against the oracle. Shapes are fixed per test so each compiles once."""
+against the oracle. Shapes are fixed per test so each compiles once. The ops run the exact "xla"
+path (the checks use its tolerance; the suites of test_sparse_mla / test_mla_decode run every
+implementation)."""
 
 import functools
 
@@ -27,7 +29,7 @@ N_Q, H, R, NNZ = 4, 2, 12, 24
 _R = C.rng(123)
 KV = C.make_records(_R, R)
 Q = C.bf16_normal(_R, (N_Q, H, 576))
-_sparse = jax.jit(functools.partial(jsm.sparse_mla, return_lse=True))
+_sparse = jax.jit(functools.partial(jsm.sparse_mla, return_lse=True, implementation="xla"))
 
 
 @SETTINGS
@@ -68,7 +70,7 @@ DQ = {qlen: C.bf16_normal(_R, (B * qlen, H, 576)) for qlen in (1, 2)}
 def _decode(qlen, num_splits):
     return jax.jit(functools.partial(
         jsm.mla_decode, qlen=qlen, num_splits=num_splits, return_lse=True,
-        k_scale=_DC.k_scale, v_scale=_DC.v_scale,
+        k_scale=_DC.k_scale, v_scale=_DC.v_scale, implementation="xla",
     ))  # fmt: skip
 
 
@@ -95,7 +97,7 @@ def test_mla_decode_random_requests(cuts, end, masked, qlen, num_splits):
 # merge_attn_states
 # ---------------------------------------------------------------------------------------------
 
-_merge = jax.jit(functools.partial(jsm.merge_attn_states, return_lse=True))
+_merge = jax.jit(functools.partial(jsm.merge_attn_states, return_lse=True, implementation="xla"))
 
 
 @SETTINGS
