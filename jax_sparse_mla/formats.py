@@ -105,7 +105,8 @@ def fp8_ds_mla_scales(latent: jax.Array) -> jax.Array:
     """Per-128 power-of-two scales of the fp8_ds_mla writer.
 
     ``scale = 2 ** ceil(log2(max(amax / 448, 1e-4)))`` with ``amax / 448`` in float32 and the
-    ceil of its exact log2 (read off the bits).
+    ceil of its exact log2 (read off the bits), the exponent clamped to 127: a block holding
+    ±inf or NaN (amax not finite) gets 2^127 (no finite block needs more than 2^120).
 
     Args:
       latent: [..., 512] float.
@@ -117,7 +118,7 @@ def fp8_ds_mla_scales(latent: jax.Array) -> jax.Array:
     ratio = jnp.maximum(amax / jnp.float32(FP8_MAX), MIN_SCALE_RATIO)
     bits = _f32_bits(ratio)
     exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
-    return pow2(jnp.minimum(exponent, 128))
+    return pow2(jnp.minimum(exponent, 127))
 
 
 def pack_fp8_ds_mla(latent: jax.Array, rope: jax.Array) -> jax.Array:
@@ -125,6 +126,11 @@ def pack_fp8_ds_mla(latent: jax.Array, rope: jax.Array) -> jax.Array:
 
     Not differentiable: the result is bytes (a quantizer's derivative is zero almost
     everywhere), so ``jax.grad`` through it is zero, never an estimate.
+
+    Non-finite values: ±inf saturates with its sign (code ±448 under the block scale 2^127,
+    which reads back as ±inf); a NaN is stored as the e4m3fn NaN code (0x7F, 0xFF if negative)
+    under the block scale 2^127, and the other values of a block holding ±inf or NaN become
+    (signed) 0. The rope keeps its ±inf and NaN (bf16).
 
     Args:
       latent: [N, 512] float (bf16, f16 or f32), quantized to e4m3fn with per-128 pow2 scales.
@@ -146,7 +152,8 @@ def pack_fp8_ds_mla(latent: jax.Array, rope: jax.Array) -> jax.Array:
 def _pack_records(latent: jax.Array, rope: jax.Array) -> jax.Array:
     lat = latent.astype(jnp.float32)
     scales = fp8_ds_mla_scales(lat)
-    codes = _e4m3_codes(lat / jnp.repeat(scales, SCALE_BLOCK, axis=-1))
+    scaled = lat / jnp.repeat(scales, SCALE_BLOCK, axis=-1)
+    codes = _e4m3_codes(jnp.where(jnp.isinf(lat), lat, scaled))  # not inf x 2^-127 (flushed 0)
     return jnp.concatenate([codes, _to_bytes(scales), _to_bytes(_rope_bf16(rope))], axis=-1)
 
 
@@ -243,7 +250,8 @@ def concat_and_cache_mla(
     Not differentiable (the cache is fp8 / byte codes: ``jax.grad`` through it is zero).
 
     ``code = e4m3fn(float32(x) / scale)``, rounded to nearest even and saturated to ±448, for
-    ``x = latent ‖ rope``. ``mla_decode`` reads K = code * k_scale and V = code[:512] * v_scale.
+    ``x = latent ‖ rope``: ±inf becomes ±448 (0x7E / 0xFE), NaN the e4m3fn NaN code (0x7F, 0xFF
+    if negative). ``mla_decode`` reads K = code * k_scale and V = code[:512] * v_scale.
 
     Args:
       cache: [tokens, 576] float8_e4m3fn, or uint8 holding e4m3fn codes.
@@ -313,7 +321,10 @@ def ultraquant_quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     Per group: ``e = floor(log2(0.156 * amax) + 0.5)`` (float32 product, exact log2), clamped
     to [-126, 127], scale byte ``e + 127`` (0 for an all-zero group); each value ``y = x / 2^e``
     becomes the E2M1 level ``levels[sum(y > midpoints)]`` (ties to the lower level, ±6
-    saturation, zero as code 0).
+    saturation, zero as code 0). Non-finite values follow the same rule: a group holding ±inf
+    or NaN has amax = inf / NaN, so its exponent clamps to 127 (byte 254); ±inf then saturates
+    to ±6 (code 0x7 / 0xF), a NaN (``NaN > m`` is false for every midpoint) becomes the lowest
+    level, -6 (0xF), and the group's finite values become 0.
 
     Args:
       x: [..., 256] float.
@@ -342,14 +353,16 @@ def _divide_by_pow2(x: jax.Array, e: jax.Array) -> jax.Array:
 
     Normal ``x`` divide directly; a subnormal ``x`` is ``mantissa * 2^-149``, scaled from its
     integer mantissa so that flush-to-zero hardware does not turn it into 0. Results below the
-    normal range become 0, which quantizes the same.
+    normal range become 0, which quantizes the same. ±inf and NaN stay as they are (XLA may
+    divide by multiplying with 2^-e, which flushes to 0 for e = 127: inf x 0 would be NaN).
     """
     bits = _f32_bits(x)
     mag = bits & 0x7FFFFFFF
+    normal = jnp.where(mag >= 0x7F800000, x, x / pow2(e))
     k = -149 - e
     sub = mag.astype(jnp.float32) * jnp.where(k >= -126, pow2(jnp.maximum(k, -126)), 0.0)
     sub = jnp.where(bits < 0, -sub, sub)
-    return jnp.where(mag < 0x00800000, sub, x / pow2(e))
+    return jnp.where(mag < 0x00800000, sub, normal)
 
 
 def ultraquant_dequantize(codes: jax.Array, scales: jax.Array) -> jax.Array:
@@ -415,7 +428,9 @@ def ultraquant_store(
 
     K is rotated (``ultraquant_rotate``: H/16, natural column order) in float32 and quantized
     per 32-group of rotated dims (32g .. 32g+31); V is quantized as given. Bytes past 272 of a
-    slot (padding) are left as they are.
+    slot (padding) are left as they are. Non-finite values follow ``ultraquant_quantize``'s
+    rule (±inf saturates to ±6 with its sign, NaN becomes -6, under scale byte 254); a
+    non-finite K value spreads over the rotated dims first (inf - inf is NaN).
 
     Args:
       cache: [num_blocks, block_size, Hk, slot_bytes] uint8, slot_bytes >= 272, multiple of 4.

@@ -104,8 +104,11 @@ def ds_mla_scales(latent_f32: np.ndarray) -> np.ndarray:
     lat = np.asarray(latent_f32, dtype=np.float32).reshape(-1, 4, 128)
     amax = np.max(np.abs(lat), axis=-1)  # float32
     q = (amax / np.float32(448.0)).astype(np.float32)  # float32 division
-    q = np.maximum(q, np.float32(1e-4))
-    e = _ceil_log2_exact(q)
+    q = np.maximum(q, np.float32(1e-4))  # NaN stays NaN
+    # a block holding +-inf or NaN: log2 is not finite, the exponent clamps to 127 (the largest
+    # finite power of two; a finite block never needs more than 2^120)
+    fin = np.isfinite(q)
+    e = np.where(fin, _ceil_log2_exact(np.where(fin, q, 1.0)), 127)
     return np.ldexp(np.float32(1.0), e).astype(np.float32)
 
 
@@ -224,8 +227,10 @@ def uq_quantize(x) -> tuple[np.ndarray, np.ndarray]:
     amax = np.max(np.abs(g), axis=-1)  # float32
     t = (np.float32(0.156) * amax).astype(np.float32)  # float32 multiply (subnormals kept)
     zero = amax == 0
-    e = _floor_log2_plus_half_exact(np.where(t == 0, np.float32(1.0), t))
+    ok = (t > 0) & np.isfinite(t)
+    e = _floor_log2_plus_half_exact(np.where(ok, t, np.float32(1.0)))
     e = np.where(t == 0, -126, e)  # 0.156 * amax underflowed to 0: log2 = -inf -> clamp
+    e = np.where(np.isfinite(t), e, 127)  # amax +inf or NaN: log2 +inf / NaN -> clamp to 127
     e = np.clip(e, -126, 127)
     e = np.where(zero, 0, e)
     sbyte = np.where(zero, 0, e + 127).astype(np.uint8)

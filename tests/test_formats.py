@@ -426,3 +426,93 @@ def test_ultraquant_store_roundtrip_error():
         np.asarray(k, np.float64), axis=-1
     )
     assert np.all(rel < 0.25)
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite writer inputs: ±inf saturates with its sign, NaN as each docstring states
+# ---------------------------------------------------------------------------------------------
+
+INF, NAN = np.float32(np.inf), np.float32(np.nan)
+
+
+def _non_finite_latent(r, dtype):
+    lat = C.random_latent(r, 4)
+    lat[0, 5] = INF  # block 0 of token 0: +inf
+    lat[0, 130] = -INF  # block 1: -inf
+    lat[0, 300] = NAN  # block 2: NaN
+    lat[1, 0], lat[1, 1] = INF, -INF  # both signs in one block
+    lat[2, 500] = -NAN  # a negative NaN
+    rope = C.random_rope(r, 4)
+    rope[0, :3] = [INF, -INF, NAN]
+    return jnp.asarray(lat).astype(dtype), jnp.asarray(rope).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pack_non_finite(dtype):
+    lat, rope = _non_finite_latent(C.rng(40), dtype)
+    got = np.asarray(jax.jit(jsm.pack_fp8_ds_mla)(lat, rope))
+    want = O.pack_fp8_ds_mla(np.asarray(lat, np.float32), np.asarray(rope, np.float32))
+    assert_bytes_equal(got, want, "pack_fp8_ds_mla non-finite")
+    # the rule itself: ±inf -> ±448 under scale 2^127 (reads back as ±inf), sign kept
+    assert got[0, 5] == 0x7E and got[0, 130] == 0xFE and got[1, 0] == 0x7E and got[1, 1] == 0xFE
+    assert got[0, 300] in (0x7F, 0xFF) and got[2, 500] == 0xFF
+    scales = got[:, 512:528].copy().view("<f4")
+    assert np.all(scales[0, :3] == 2.0**127) and scales[1, 0] == 2.0**127
+    latent, _ = jsm.unpack_fp8_ds_mla(jnp.asarray(got))
+    latent = np.asarray(latent)
+    assert latent[0, 5] == np.inf and latent[0, 130] == -np.inf and np.isnan(latent[0, 300])
+    assert np.all(latent[0, [6, 131, 301]] == 0)  # the rest of a non-finite block
+    assert np.all(np.isfinite(latent[3]))
+
+
+def test_concat_and_cache_ds_mla_non_finite():
+    lat, rope = _non_finite_latent(C.rng(41), jnp.float32)
+    cache0 = C.make_records(C.rng(42), 6)
+    slots = np.int32([5, 0, -1, 2])
+    got = jax.jit(jsm.concat_and_cache_ds_mla)(jnp.asarray(cache0), lat, rope, slots)
+    want = cache0.copy()
+    packed = O.pack_fp8_ds_mla(np.asarray(lat), np.asarray(rope))
+    want[[5, 0, 2]] = packed[[0, 1, 3]]
+    assert_bytes_equal(got, want, "concat_and_cache_ds_mla non-finite")
+
+
+@pytest.mark.parametrize("as_uint8", [False, True])
+def test_concat_and_cache_mla_non_finite(as_uint8):
+    lat, rope = _non_finite_latent(C.rng(43), jnp.float32)
+    cache0 = np.zeros((4, 576), np.uint8)
+    cache = jnp.asarray(cache0) if as_uint8 else jnp.asarray(cache0).view(jnp.float8_e4m3fn)
+    got = u8(np.asarray(jsm.concat_and_cache_mla(cache, lat, rope, np.arange(4, dtype=np.int32),
+                                                 scale=0.5)))  # fmt: skip
+    assert_bytes_equal(got, O.mla_cache_codes(lat, rope, 0.5), "concat_and_cache_mla")
+    assert got[0, 5] == 0x7E and got[0, 130] == 0xFE and got[0, 512] == 0x7E
+    assert got[0, 513] == 0xFE and got[0, 300] in (0x7F, 0xFF) and got[0, 514] in (0x7F, 0xFF)
+
+
+def test_ultraquant_non_finite():
+    r = C.rng(44)
+    k, v = exact_kv(r, 3, 2)
+    v = v.at[0, 0, 3].set(np.inf)  # +inf in V: +6 (0x7), never the sign-flipped -6 (0xF)
+    v = v.at[0, 1, 40].set(-np.inf)
+    v = v.at[1, 0, 100].set(np.nan)
+    v = v.at[1, 1, 200].set(np.inf).at[1, 1, 201].set(-np.inf)
+    k = k.at[2, 0, 7].set(np.inf)  # spreads as ±inf over every rotated dim
+    cache0 = C.garbage_cache(r, 2, 2, 2)
+    slots = np.int32([0, 3, 1])
+    got = np.asarray(uq_store(jnp.asarray(cache0), k, v, slots))
+    want = O.ultraquant_store(cache0, np.asarray(k, np.float64), np.asarray(v, np.float64), slots)
+    assert_bytes_equal(got, want, "ultraquant_store non-finite")
+    slot = got.reshape(4, 2, 272)
+    v_codes = np.stack([slot[..., 136:264] & 0xF, slot[..., 136:264] >> 4], -1).reshape(4, 2, 256)
+    assert v_codes[0, 0, 3] == 0x7 and v_codes[0, 1, 40] == 0xF
+    assert v_codes[3, 0, 100] == 0xF  # NaN: the lowest level, -6
+    assert v_codes[3, 1, 200] == 0x7 and v_codes[3, 1, 201] == 0xF
+    assert slot[0, 0, 264] == 254 and slot[3, 1, 264 + 6] == 254  # scale 2^127
+    assert np.all(v_codes[0, 0, [0, 1, 2, 4, 31]] == 0)  # the group's finite values
+    _, v_back = F.ultraquant_unpack(jnp.asarray(got))
+    v_back = np.asarray(v_back).reshape(4, 2, 256)
+    # 6 x 2^127 is past float32's range: the read-back value is inf with the input's sign
+    assert v_back[0, 0, 3] == np.inf and v_back[0, 1, 40] == -np.inf
+    codes, scales = uq_quantize(jnp.asarray(np.asarray(v, np.float32)))
+    want_c, want_s = O.uq_quantize(np.asarray(v, np.float32))
+    assert_bytes_equal(codes, want_c, "ultraquant_quantize codes")
+    assert_bytes_equal(scales, want_s, "ultraquant_quantize scales")
