@@ -12,8 +12,8 @@ import textwrap
 
 import pytest
 
-from jax_sparse_mla.build import resource_problems, toolchain_env
-from jax_sparse_mla.codeobject import KernelResources, _unpack_msgpack, read_kernel_resources
+from jax_sparse_mla._build.build import resource_problems, toolchain_env
+from jax_sparse_mla._build.codeobject import KernelResources, _unpack_msgpack, read_kernel_resources
 
 
 def resources(**kw) -> KernelResources:
@@ -128,7 +128,7 @@ def test_resources_match_the_compiler_dump(tmp_path):
 def test_a_crashing_configuration_is_named(tmp_path, monkeypatch):
     """A compiler process that dies (an LLVM abort) fails only its culprit: the rest of its
     chunk is retried one configuration per process."""
-    from jax_sparse_mla import build
+    from jax_sparse_mla._build import build
 
     @dataclasses.dataclass(frozen=True)
     class Cfg:

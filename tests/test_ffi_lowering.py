@@ -20,7 +20,7 @@ import pytest
 
 import jax_sparse_mla as jsm
 from jax_sparse_mla import ffi, self_check
-from jax_sparse_mla.ffi import build_lib
+from jax_sparse_mla._build import build_lib
 
 CALL = re.compile(r"stablehlo\.custom_call @(\w+)\((.*?)\) \{(.*)\} : \((.*?)\) -> \(?(.*?)\)?$")
 

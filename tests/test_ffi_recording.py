@@ -219,7 +219,7 @@ def run_driver(library: str) -> dict:
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    from jax_sparse_mla.ffi import build_lib
+    from jax_sparse_mla._build import build_lib
 
     kernel_dir = build_lib.DEFAULT_KERNEL_DIR
     if not (kernel_dir / "manifest.json").exists():
@@ -445,16 +445,16 @@ EXPECTED_ERRORS = {
     "sparse_indptr": "jsm_sparse_mla: indptr must be s32[2 + 1], got s32[2]",
     "sparse_lse_shape": "jsm_sparse_mla: lse must be f32[2, 4], got f32[2, 5]",
     "sparse_kv_record": "jsm_sparse_mla: kv must be u8[rows, 656], got u8[10, 576]",
-    "partials_qlen": "jsm_mla_decode_partials: qlen must be 1, 2 or 4 (the compiled kernels), "
-    "got 3",
+    "partials_qlen": "jsm_mla_decode_partials: qlen must be one of 1, 2, 4 (the compiled "
+    "kernels), got 3",
     "partials_q_rows": "jsm_mla_decode_partials: q must be bf16[B * qlen = 2, H, 576], "
     "got bf16[4, 16, 576]",
     "partials_indptr": "jsm_mla_decode_partials: kv_indptr must hold B + 1 >= 1 entries",
     "combine_lse": "jsm_mla_decode_combine: lse_parts must be f32[3, 2, 4], got f32[3, 2, 5]",
-    "uq_block_size": "jsm_ultraquant_partials: cache block_size must be 16, 32, 64, 128 or 256 "
-    "(the compiled kernels), got 48",
-    "uq_group": "jsm_ultraquant_partials: Hq / Hk must be 6, 8 or 16 (the compiled kernels), "
-    "got Hq = 10, Hk = 2",
+    "uq_block_size": "jsm_ultraquant_partials: cache block_size must be one of 16, 32, 64, 128, "
+    "256 (the compiled kernels), got 48",
+    "uq_group": "jsm_ultraquant_partials: Hq / Hk must be one of 6, 8, 16 (the compiled "
+    "kernels), got Hq = 10, Hk = 2",
     "uq_slot": "jsm_ultraquant_partials: cache slot_bytes must be >= 272 and a multiple of 4, "
     "got 270",
     "probe_format": "jsm_mfma_probe: a_format must be 0 (e4m3) or 4 (e2m1), got 2",

@@ -24,7 +24,7 @@ import pytest
 
 import jax_sparse_mla as jsm
 from jax_sparse_mla import ffi, self_check
-from jax_sparse_mla.ffi import build_lib
+from jax_sparse_mla._build import build_lib
 from tests.test_ffi_lowering import FakeDevice, jsm_targets, sparse_args
 
 ROOT = Path(__file__).resolve().parents[1]

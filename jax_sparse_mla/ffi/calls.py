@@ -21,10 +21,10 @@ import numpy as np
 
 from jax_sparse_mla import ffi
 from jax_sparse_mla.formats import LATENT_DIM, RECORD_BYTES, UQ_HEAD_DIM
+from jax_sparse_mla.kernels.gfx950.configs import MLA_DECODE_QLENS as KERNEL_QLENS
+from jax_sparse_mla.kernels.gfx950.configs import ULTRAQUANT_BLOCK_SIZES as KERNEL_BLOCK_SIZES
+from jax_sparse_mla.kernels.gfx950.configs import ULTRAQUANT_GROUP_SIZES as KERNEL_GROUP_SIZES
 
-KERNEL_QLENS = (1, 2, 4)
-KERNEL_GROUP_SIZES = (6, 8, 16)
-KERNEL_BLOCK_SIZES = (16, 32, 64, 128, 256)
 # MI355: 256 CUs. mla_decode runs one 8-wave CTA per CU; ultraquant 12 one-wave groups per CU.
 _NUM_CUS = 256
 _UQ_WORKGROUPS_PER_CU = 12

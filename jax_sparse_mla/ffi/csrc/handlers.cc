@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "jsm_configs.h"  // generated from kernels/gfx950/configs.py by build_lib.py
 #include "jsm_ffi.h"
 
 namespace ffi = xla::ffi;
@@ -24,7 +25,6 @@ constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 constexpr int64_t kKvDim = 576;         // K = latent (512) ‖ rope (64)
 constexpr int64_t kLatentDim = 512;     // V
 constexpr int64_t kRecordBytes = 656;   // one fp8_ds_mla record
-constexpr int64_t kSparseMaxHeads = 16; // heads per sparse_mla launch
 constexpr int64_t kUqHeadDim = 256;
 
 #ifdef JSM_RECORDING
@@ -184,9 +184,9 @@ Error MlaDecodePartials(void* stream, int32_t device, AnyBuffer q, AnyBuffer kv,
                         ffi::Result<AnyBuffer> lse_parts, int32_t qlen, float k_scale,
                         float v_scale, float sm_scale) {
   constexpr const char* T = "jsm_mla_decode_partials";
-  if (qlen != 1 && qlen != 2 && qlen != 4) {
-    return Error::InvalidArgument(std::string(T) + ": qlen must be 1, 2 or 4 (the compiled "
-                                  "kernels), got " + std::to_string(qlen));
+  if (!KernelQlen(qlen)) {
+    return Error::InvalidArgument(std::string(T) + ": qlen must be one of " + KernelQlenText +
+                                  " (the compiled kernels), got " + std::to_string(qlen));
   }
   JSM_CHECK(Expect(T, "kv_indptr", kv_indptr, DataType::S32, {-1}, "[B + 1]"));
   if (kv_indptr.dimensions()[0] == 0) {
@@ -256,11 +256,6 @@ Error MlaDecodeCombine(void* stream, int32_t device, AnyBuffer o_parts, AnyBuffe
 // ultraquant_decode: per-partition partials, then their reduce.
 // ------------------------------------------------------------------------------------------
 
-bool SupportedGroup(int64_t g) { return g == 6 || g == 8 || g == 16; }
-bool SupportedBlock(int64_t bs) {
-  return bs == 16 || bs == 32 || bs == 64 || bs == 128 || bs == 256;
-}
-
 Error UltraquantPartials(void* stream, int32_t device, AnyBuffer q, AnyBuffer cache,
                          AnyBuffer block_tables, AnyBuffer seq_lens,
                          ffi::Result<AnyBuffer> out_parts, ffi::Result<AnyBuffer> max_logits,
@@ -270,9 +265,9 @@ Error UltraquantPartials(void* stream, int32_t device, AnyBuffer q, AnyBuffer ca
                    "[num_blocks, block_size, Hk, slot_bytes]"));
   const auto c = cache.dimensions();
   const int64_t num_blocks = c[0], block_size = c[1], hk = c[2], slot_bytes = c[3];
-  if (!SupportedBlock(block_size)) {
-    return Error::InvalidArgument(std::string(T) + ": cache block_size must be 16, 32, 64, "
-                                  "128 or 256 (the compiled kernels), got " +
+  if (!KernelBlockSize(block_size)) {
+    return Error::InvalidArgument(std::string(T) + ": cache block_size must be one of " +
+                                  KernelBlockSizeText + " (the compiled kernels), got " +
                                   std::to_string(block_size));
   }
   if (slot_bytes < 272 || slot_bytes % 4 != 0) {
@@ -281,10 +276,10 @@ Error UltraquantPartials(void* stream, int32_t device, AnyBuffer q, AnyBuffer ca
   }
   JSM_CHECK(Expect(T, "q", q, DataType::BF16, {-1, -1, kUqHeadDim}, "[B, Hq, 256]"));
   const int64_t batch = q.dimensions()[0], hq = q.dimensions()[1];
-  if (hk == 0 || hq % hk != 0 || !SupportedGroup(hq / hk)) {
-    return Error::InvalidArgument(std::string(T) + ": Hq / Hk must be 6, 8 or 16 (the compiled "
-                                  "kernels), got Hq = " + std::to_string(hq) + ", Hk = " +
-                                  std::to_string(hk));
+  if (hk == 0 || hq % hk != 0 || !KernelGroupSize(hq / hk)) {
+    return Error::InvalidArgument(std::string(T) + ": Hq / Hk must be one of " +
+                                  KernelGroupSizeText + " (the compiled kernels), got Hq = " +
+                                  std::to_string(hq) + ", Hk = " + std::to_string(hk));
   }
   const int64_t g = hq / hk;
   const auto sb = std::to_string(batch), shk = std::to_string(hk), sg = std::to_string(g);
@@ -359,7 +354,7 @@ Error UltraquantReduce(void* stream, int32_t device, AnyBuffer out_parts, AnyBuf
 Error MfmaProbe(void* stream, int32_t device, AnyBuffer a, AnyBuffer b, AnyBuffer scales,
                 ffi::Result<AnyBuffer> c, int32_t a_format) {
   constexpr const char* T = "jsm_mfma_probe";
-  if (a_format != 0 && a_format != 4) {
+  if (!KernelAFormat(a_format)) {
     return Error::InvalidArgument(std::string(T) + ": a_format must be 0 (e4m3) or 4 (e2m1), got " +
                                   std::to_string(a_format));
   }
@@ -379,7 +374,7 @@ Error MfmaProbe(void* stream, int32_t device, AnyBuffer a, AnyBuffer b, AnyBuffe
 Error DsReadTrProbe(void* stream, int32_t device, AnyBuffer lds, AnyBuffer addrs,
                     ffi::Result<AnyBuffer> regs, int32_t bits) {
   constexpr const char* T = "jsm_ds_read_tr_probe";
-  if (bits != 8 && bits != 16) {
+  if (!KernelReadBits(bits)) {
     return Error::InvalidArgument(std::string(T) + ": bits must be 8 (ds_read_b64_tr_b8) or 16 " +
                                   "(ds_read_b64_tr_b16), got " + std::to_string(bits));
   }

@@ -1,0 +1,42 @@
+"""One list of compiled configurations (kernels/gfx950/configs.py), read by every consumer."""
+
+import importlib.util
+
+import pytest
+
+from jax_sparse_mla._build import build, build_lib
+from jax_sparse_mla.ffi import calls
+from jax_sparse_mla.kernels.gfx950 import configs
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flydsl") is None, reason="needs FlyDSL")
+def test_kernel_modules_compile_exactly_the_listed_configurations():
+    for module in build.KERNEL_MODULES:
+        compiled = tuple(c.symbol for c in build.kernel_module("gfx950", module).CONFIGS)
+        assert compiled == configs.symbols()[module], module
+    assert set(configs.symbols()) == set(build.KERNEL_MODULES)
+
+
+def test_python_checks_read_the_list():
+    assert calls.KERNEL_QLENS == configs.MLA_DECODE_QLENS
+    assert calls.KERNEL_GROUP_SIZES == configs.ULTRAQUANT_GROUP_SIZES
+    assert calls.KERNEL_BLOCK_SIZES == configs.ULTRAQUANT_BLOCK_SIZES
+
+
+def test_handlers_header_is_generated_from_the_list():
+    """build_lib loads configs.py by path (before installation) and writes the handlers' header;
+    the handlers hard-code no configuration set."""
+    header = build_lib.configs_module().cpp_header()
+    assert "constexpr int64_t kSparseMaxHeads = 16;" in header
+    assert "KernelQlen(int64_t v) { return v == 1 || v == 2 || v == 4; }" in header
+    assert 'KernelBlockSizeText = "16, 32, 64, 128, 256"' in header
+    handlers = (build_lib.CSRC / "handlers.cc").read_text()
+    assert '#include "jsm_configs.h"' in handlers
+    for hard_coded in ("qlen != 1", "g == 6", "bs == 16", "kSparseMaxHeads =", "bits != 8"):
+        assert hard_coded not in handlers
+
+
+def test_symbols_are_unique_c_identifiers():
+    names = [s for group in configs.symbols().values() for s in group]
+    assert len(names) == len(set(names)) == len(configs.all_symbols())
+    assert all(s.startswith("jsm_") and s.isidentifier() for s in names)
