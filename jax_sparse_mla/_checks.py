@@ -7,7 +7,10 @@ static shapes and dtypes, so they work on tracers under ``jax.jit`` and ``jax.vm
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -109,53 +112,106 @@ def is_concrete(*xs) -> bool:
     return not any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
-def run_data_check(check: Callable[..., None], *arrays) -> None:
-    """Runs a data-dependent check (numpy arrays in, ValueError out) on the arguments' values.
+class DataError(ValueError):
+    """A data-dependent check failed (``validate=True`` or a ``validate_*`` function)."""
 
-    Concrete arguments are checked at once. Under ``jax.jit`` / ``jax.vmap`` the check runs as a
-    host callback when the computation executes, and its ValueError surfaces as the runtime error
-    of the call (under ``jax.vmap`` the check runs once per batch element).
+
+class DataCheck(NamedTuple):
+    """One data-dependent check: ``found``, a few scalars computed in jnp where the data lives,
+    and ``report(*found)`` (numpy scalars in), which raises DataError when they show a problem."""
+
+    found: tuple[jax.Array, ...]
+    report: Callable[..., None]
+
+
+def run_data_checks(*checks: DataCheck) -> None:
+    """Raises the first failing check's DataError (a ValueError).
+
+    Only the checks' findings (counts, a first bad index and its value) leave the device, never
+    the checked arrays. Concrete arguments are checked at once. Under ``jax.jit`` / ``jax.vmap``
+    the report runs as a host callback when the computation executes (once per batch element
+    under ``jax.vmap``); a failure stops the call with a ``jax.errors.JaxRuntimeError`` whose
+    message ends with the op's own ValueError message (a compiled computation cannot raise a
+    Python exception type of its own), and nothing is logged to stderr.
     """
-    if is_concrete(*arrays):
-        check(*(np.asarray(a) for a in arrays))
+
+    def report(*found):
+        for check, values in zip(checks, found, strict=True):
+            check.report(*(np.asarray(v) for v in values))
+
+    found = [check.found for check in checks]
+    if is_concrete(*jax.tree.leaves(found)):
+        report(*found)
     else:
-        jax.debug.callback(lambda *xs: check(*(np.asarray(x) for x in xs)), *arrays)
+        _quiet_data_errors()
+        jax.debug.callback(report, *found)
 
 
-def check_csr(
-    op: str, indices_name: str, indptr_name: str, indices: np.ndarray, indptr: np.ndarray
-) -> None:
-    """CSR structure: ``indptr`` starts >= 0, never decreases, and ends at ``len(indices)``."""
-    nnz = indices.shape[0]
-    if indptr.shape[0] == 0:
-        raise ValueError(f"{op}: {indptr_name} must have at least one entry")
-    if indptr[0] < 0:
-        raise ValueError(f"{op}: {indptr_name}[0] must be >= 0, got {indptr[0]}")
-    steps = np.diff(indptr)
-    if (steps < 0).any():
-        r = int(np.argmax(steps < 0))
-        raise ValueError(
-            f"{op}: {indptr_name} must be non-decreasing, but {indptr_name}[{r + 1}] = "
-            f"{indptr[r + 1]} < {indptr_name}[{r}] = {indptr[r]}"
-        )
-    if indptr[-1] != nnz:
-        raise ValueError(
-            f"{op}: {indptr_name}[-1] must equal len({indices_name}) = {nnz}, got {indptr[-1]}"
-        )
+class _DropDataErrors(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], DataError))
 
 
-def check_index_range(
-    op: str, name: str, values: np.ndarray, upper: int, what: str, *, allow=None
-) -> None:
-    """Every entry in [0, upper) (or equal to ``allow``, e.g. -1 padding)."""
+@functools.cache
+def _quiet_data_errors() -> None:
+    """JAX logs every exception a host callback raises, with its traceback; a DataError is the
+    op's answer, not a crash: drop those records (every other one is kept)."""
+    for name in ("jax._src.debugging", "jax._src.callback"):
+        logging.getLogger(name).addFilter(_DropDataErrors())
+
+
+def first_true(bad: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(number of True entries, flat index of the first one; 0 when none) of a bool array."""
+    flat = bad.reshape(-1)
+    if flat.shape[0] == 0:
+        return jnp.int32(0), jnp.int32(0)
+    return jnp.sum(flat, dtype=jnp.int32), jnp.argmax(flat).astype(jnp.int32)
+
+
+def csr_check(op: str, indices_name: str, indptr_name: str, nnz: int, indptr) -> DataCheck:
+    """CSR structure: ``indptr`` starts >= 0, never decreases, and ends at ``nnz``."""
+    if indptr.shape[0] > 1:
+        _, r = first_true(indptr[1:] < indptr[:-1])
+        decreasing = jnp.any(indptr[1:] < indptr[:-1])
+        at = jnp.stack([jnp.where(decreasing, r, -1), indptr[r + 1], indptr[r]])
+    else:
+        at = jnp.full((3,), -1, jnp.int32)
+    found = (jnp.stack([indptr[0], indptr[-1]]), at)
+
+    def report(ends, at):
+        first, last = int(ends[0]), int(ends[1])
+        if first < 0:
+            raise DataError(f"{op}: {indptr_name}[0] must be >= 0, got {first}")
+        r = int(at[0])
+        if r >= 0:
+            raise DataError(
+                f"{op}: {indptr_name} must be non-decreasing, but {indptr_name}[{r + 1}] = "
+                f"{int(at[1])} < {indptr_name}[{r}] = {int(at[2])}"
+            )
+        if last != nnz:
+            raise DataError(
+                f"{op}: {indptr_name}[-1] must equal len({indices_name}) = {nnz}, got {last}"
+            )
+
+    return DataCheck(found, report)
+
+
+def range_check(op: str, name: str, values, upper: int, what: str, *, allow=None) -> DataCheck:
+    """Every entry of ``values`` in [0, upper) (or equal to ``allow``, e.g. -1 padding)."""
     bad = (values < 0) | (values >= upper)
     if allow is not None:
         bad &= values != allow
-    if bad.any():
-        where = tuple(int(i) for i in np.argwhere(bad)[0])
-        pos = ", ".join(str(i) for i in where)
-        pad = f" or {allow}" if allow is not None else ""
-        raise ValueError(
-            f"{op}: {name}[{pos}] = {values[where]} is outside [0, {upper}){pad} ({what}); "
-            f"{int(bad.sum())} such entr{'y' if bad.sum() == 1 else 'ies'}"
-        )
+    count, first = first_true(bad)
+    value = values.reshape(-1)[first] if values.size else jnp.int32(0)
+    shape = values.shape
+
+    def report(count, first, value):
+        if count:
+            pos = ", ".join(str(int(i)) for i in np.unravel_index(int(first), shape))
+            pad = f" or {allow}" if allow is not None else ""
+            raise DataError(
+                f"{op}: {name}[{pos}] = {int(value)} is outside [0, {upper}){pad} ({what}); "
+                f"{int(count)} such entr{'y' if count == 1 else 'ies'}"
+            )
+
+    return DataCheck((count, first, value), report)

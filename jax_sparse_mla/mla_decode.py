@@ -10,14 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sparse_mla._checks import (
+    DataCheck,
     as_jax,
     check_array,
-    check_csr,
     check_equal,
-    check_index_range,
     check_positive_int,
     check_scalar,
-    run_data_check,
+    csr_check,
+    range_check,
+    run_data_checks,
 )
 from jax_sparse_mla._dispatch import by_platform, resolve_implementation, with_exact_gradient
 from jax_sparse_mla.emulation.mla_decode import (
@@ -194,7 +195,8 @@ def mla_decode(
       implementation: None (the Pallas kernel on Hopper GPUs, "xla" elsewhere), "xla",
         "pallas" (compiled on CUDA, Pallas interpret mode elsewhere), "flydsl" or
         "gfx950_emulation" (the gfx950 kernels' own arithmetic in jnp, every platform).
-      validate: run ``validate_mla_decode``'s data checks.
+      validate: run ``validate_mla_decode``'s data checks (ValueError on concrete inputs;
+        under ``jax.jit`` a ``jax.errors.JaxRuntimeError`` with the same message).
     Returns:
       out [B * qlen, H, 512] bfloat16, and with ``return_lse`` also lse [B * qlen, H] float32.
     """
@@ -274,7 +276,7 @@ def _prepare(op, q, kv, kv_indices, kv_indptr, qlen, k_scale, v_scale, sm_scale,
     }
     q, kv, kv_indices, kv_indptr = as_jax(q, kv, kv_indices, kv_indptr)
     if validate:
-        run_data_check(_check_data, kv_indices, kv_indptr, np.int32(kv.shape[0]))
+        run_data_checks(*_data_checks(kv_indices, kv_indptr, kv.shape[0]))
     codes = kv if kv.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(kv, jnp.uint8)
     return (q, codes, kv_indices, kv_indptr), kw
 
@@ -296,18 +298,21 @@ def _check_static(op, q, kv, kv_indices, kv_indptr, qlen) -> None:
 def validate_mla_decode(q, kv, kv_indices, kv_indptr, *, qlen: int = 1) -> None:
     """Checks ``mla_decode``'s arguments, static and data-dependent; raises on the first problem.
 
-    Data checks: ``kv_indptr`` starts >= 0, never decreases and ends at ``len(kv_indices)``;
-    every entry of ``kv_indices`` is in [0, tokens).
+    Data checks (computed where the data lives; only their findings reach the host):
+    ``kv_indptr`` starts >= 0, never decreases and ends at ``len(kv_indices)``; every entry of
+    ``kv_indices`` is in [0, tokens): an index outside it is flagged although ``mla_decode``
+    masks it, at every position of ``kv_indices``. Raises ValueError.
     """
     _check_static("validate_mla_decode", q, kv, kv_indices, kv_indptr, qlen)
-    _check_data(np.asarray(kv_indices), np.asarray(kv_indptr), kv.shape[0])
+    run_data_checks(*_data_checks(*as_jax(kv_indices, kv_indptr), kv.shape[0]))
 
 
-def _check_data(kv_indices: np.ndarray, kv_indptr: np.ndarray, tokens) -> None:
+def _data_checks(kv_indices: jax.Array, kv_indptr: jax.Array, tokens: int) -> list[DataCheck]:
     op = "mla_decode"
-    check_csr(op, "kv_indices", "kv_indptr", kv_indices, kv_indptr)
-    tokens = int(tokens)
-    check_index_range(op, "kv_indices", kv_indices, tokens, f"kv has {tokens} tokens")
+    return [
+        csr_check(op, "kv_indices", "kv_indptr", kv_indices.shape[0], kv_indptr),
+        range_check(op, "kv_indices", kv_indices, tokens, f"kv has {tokens} tokens"),
+    ]
 
 
 def merge_attn_states(

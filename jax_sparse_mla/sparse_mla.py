@@ -7,12 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sparse_mla._checks import (
+    DataCheck,
+    DataError,
     as_jax,
     check_array,
-    check_csr,
-    check_index_range,
     check_scalar,
-    run_data_check,
+    csr_check,
+    first_true,
+    range_check,
+    run_data_checks,
 )
 from jax_sparse_mla._dispatch import by_platform, resolve_implementation, with_exact_gradient
 from jax_sparse_mla.emulation.sparse_mla import sparse_mla_gfx950_emulation
@@ -93,7 +96,8 @@ def sparse_mla(
         needs a static sm_scale), "gfx950_emulation" (the gfx950 kernel's own arithmetic in jnp,
         every platform).
       validate: check the data-dependent preconditions (see ``validate_sparse_mla``); raises
-        ValueError (eagerly on concrete inputs, at run time under ``jax.jit``).
+        ValueError on concrete inputs; under ``jax.jit`` a failure stops the call with a
+        ``jax.errors.JaxRuntimeError`` carrying the same message.
     Returns:
       out [n_q, H, 512] bfloat16, and with ``return_lse`` also lse [n_q, H] float32.
     """
@@ -103,7 +107,7 @@ def sparse_mla(
     scale = check_scalar(op, "sm_scale", DEFAULT_SM_SCALE if sm_scale is None else sm_scale)
     q, kv, idx, indptr = as_jax(q, kv, idx, indptr)
     if validate:
-        run_data_check(_check_data, kv, idx, indptr)
+        run_data_checks(*_data_checks(kv, idx, indptr))
     if q.size == 0 or kv.size == 0 or idx.size == 0:  # no key anywhere: no kernel launch
         out, lse = no_keys(q.shape[0], q.shape[1])
     else:
@@ -121,56 +125,79 @@ def _check_static(op: str, q, kv, idx, indptr) -> None:
 def validate_sparse_mla(q, kv, idx, indptr) -> None:
     """Checks ``sparse_mla``'s arguments, static and data-dependent; raises on the first problem.
 
-    Data checks: ``indptr`` starts >= 0, never decreases and ends at ``len(idx)``; every entry
-    of ``idx`` is -1 (padding) or in [0, kv rows); every record an entry reaches has scales
-    that are powers of two and <= 2^7 (the gfx950 kernel's precondition).
+    Data checks (computed where the data lives; only their findings reach the host):
+    ``indptr`` starts >= 0, never decreases and ends at ``len(idx)``; every entry of ``idx`` is
+    -1 (padding) or in [0, kv rows): any other value is flagged although ``sparse_mla`` masks
+    it, at every position of ``idx`` (also positions no row's range covers); every kv row an
+    in-range entry references has scales that are powers of two and <= 2^7 (the gfx950
+    kernel's precondition), named by its kv row. Raises ValueError.
     """
     _check_static("validate_sparse_mla", q, kv, idx, indptr)
-    _check_data(np.asarray(kv), np.asarray(idx), np.asarray(indptr))
+    run_data_checks(*_data_checks(*as_jax(kv, idx, indptr)))
 
 
-def _check_data(kv: np.ndarray, idx: np.ndarray, indptr: np.ndarray) -> None:
+def _data_checks(kv: jax.Array, idx: jax.Array, indptr: jax.Array) -> list[DataCheck]:
     op = "sparse_mla"
-    check_csr(op, "idx", "indptr", idx, indptr)
     records = kv.reshape(-1, RECORD_BYTES)
     rows = records.shape[0]
-    check_index_range(op, "idx", idx, rows, f"kv has {rows} rows; -1 marks padding", allow=-1)
-    _check_scales(op, records[np.unique(idx[idx >= 0])])
+    ok = (idx >= 0) & (idx < rows)
+    referenced = jnp.zeros((rows,), bool).at[jnp.where(ok, idx, rows)].set(True, mode="drop")
+    return [
+        csr_check(op, "idx", "indptr", idx.shape[0], indptr),
+        range_check(op, "idx", idx, rows, f"kv has {rows} rows; -1 marks padding", allow=-1),
+        *_scale_checks(op, "kv row", records, referenced, "in the rows idx references"),
+    ]
 
 
 def validate_fp8_ds_mla_records(records) -> None:
     """Raises ValueError unless every scale of ``records`` ([..., 656] uint8) is a power of two
     and <= 2^7 (the gfx950 sparse_mla kernel's precondition; the writer guarantees it for
-    |latent| <= 57344)."""
-    check_array(
-        "validate_fp8_ds_mla_records",
-        "records",
-        records,
-        dtypes=[jnp.uint8],
-        min_ndim=1,
-        last_dims=(RECORD_BYTES,),
-    )
-    _check_scales("validate_fp8_ds_mla_records", np.asarray(records))
+    |latent| <= 57344). The message names the record by its index in ``records``' leading
+    shape."""
+    op = "validate_fp8_ds_mla_records"
+    check_array(op, "records", records, dtypes=[jnp.uint8], min_ndim=1, last_dims=(RECORD_BYTES,))
+    records = jnp.asarray(records)
+    everything = jnp.ones(records.shape[:-1], bool)
+    run_data_checks(*_scale_checks(op, "records", records, everything, "in records"))
 
 
-def _check_scales(op: str, records: np.ndarray) -> None:
-    scales = np.ascontiguousarray(records[..., SCALES_OFFSET : SCALES_OFFSET + 16]).view("<f4")
-    mantissa, _ = np.frexp(scales)
-    not_pow2 = ~np.isfinite(scales) | (scales <= 0) | (mantissa != 0.5)
-    if not_pow2.any():
-        where = tuple(int(i) for i in np.argwhere(not_pow2)[0])
-        raise ValueError(
-            f"{op}: record scale at {where} is {scales[where]!r}, not a positive power of two "
-            f"({int(not_pow2.sum())} such scale(s)); fp8_ds_mla scales are 2^k"
-        )
-    big = scales > MAX_KERNEL_SCALE
-    if big.any():
-        where = tuple(int(i) for i in np.argwhere(big)[0])
-        raise ValueError(
-            f"{op}: record scale at {where} is {scales[where]!r} > 2^7: the gfx950 kernel clamps "
-            f"it (finite but inexact); the writer keeps scales <= 2^7 for |latent| <= 57344 "
-            f"({int(big.sum())} such scale(s))"
-        )
+def _scale_checks(op: str, name: str, records, referenced, among: str) -> list[DataCheck]:
+    """The scales of the records (``[..., 656]``) where ``referenced`` ([...] bool): each a
+    positive power of two, and <= 2^7. Messages name the record by its index."""
+    lead = records.shape[:-1]
+    raw = records[..., SCALES_OFFSET : SCALES_OFFSET + 16].reshape(*lead, 4, 4)
+    bits = jax.lax.bitcast_convert_type(raw, jnp.int32)  # [..., 4] float32 bits
+    exponent, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    normal = (exponent >= 1) & (exponent <= 254) & (mantissa == 0)
+    subnormal = (exponent == 0) & (mantissa != 0) & ((mantissa & (mantissa - 1)) == 0)
+    pow2 = (bits >= 0) & (normal | subnormal)
+    used = referenced[..., None]
+    limit = int(np.float32(MAX_KERNEL_SCALE).view(np.int32))
+
+    def check(bad, problem: str) -> DataCheck:
+        count, first = first_true(used & bad)
+        found = (count, first, bits.reshape(-1)[first] if bits.size else jnp.int32(0))
+
+        def report(count, first, value_bits):
+            if count:
+                *row, j = (int(i) for i in np.unravel_index(int(first), (*lead, 4)))
+                where = str(row[0]) if len(row) == 1 else str(tuple(row))
+                value = np.int32(value_bits).view(np.float32)
+                raise DataError(
+                    f"{op}: {name} {where} scale {j} (latent dims {128 * j}..{128 * j + 127}) "
+                    f"is {value!r}{problem} ({int(count)} such scale(s) {among})"
+                )
+
+        return DataCheck(found, report)
+
+    return [
+        check(~pow2, ", not a positive power of two; fp8_ds_mla scales are 2^k"),
+        check(
+            pow2 & (bits > limit),
+            " > 2^7: the gfx950 kernel clamps it (finite but inexact); the writer keeps scales "
+            "<= 2^7 for |latent| <= 57344",
+        ),
+    ]
 
 
 def dense_to_csr(topk_idx: jax.Array) -> tuple[jax.Array, jax.Array]:

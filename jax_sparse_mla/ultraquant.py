@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_sparse_mla._checks import (
+    DataCheck,
     as_jax,
     check_array,
-    check_index_range,
     check_positive_int,
     check_scalar,
-    run_data_check,
+    range_check,
+    run_data_checks,
 )
 from jax_sparse_mla._dispatch import by_platform, resolve_implementation, with_exact_gradient
 from jax_sparse_mla.emulation.ultraquant import ultraquant_decode_gfx950_emulation
@@ -90,7 +90,8 @@ def ultraquant_decode(
       implementation: None (the Pallas kernel on Hopper GPUs, "xla" elsewhere), "xla",
         "pallas" (compiled on CUDA, Pallas interpret mode elsewhere), "flydsl" or
         "gfx950_emulation" (the gfx950 kernels' own arithmetic in jnp, every platform).
-      validate: run ``validate_ultraquant_decode``'s data checks.
+      validate: run ``validate_ultraquant_decode``'s data checks (ValueError on concrete
+        inputs; under ``jax.jit`` a ``jax.errors.JaxRuntimeError`` with the same message).
     Returns:
       [B, Hq, 256] bfloat16.
     """
@@ -101,9 +102,7 @@ def ultraquant_decode(
     impl = resolve_implementation(op, implementation, _IMPLEMENTATIONS)
     q, cache, block_tables, seq_lens = as_jax(q, cache, block_tables, seq_lens)
     if validate:
-        run_data_check(
-            _check_data, block_tables, seq_lens, np.int32(cache.shape[0]), np.int32(cache.shape[1])
-        )
+        run_data_checks(*_data_checks(block_tables, seq_lens, cache.shape[0], cache.shape[1]))
     if q.size == 0 or cache.size == 0:  # no key anywhere: nothing to compute or launch
         return jnp.zeros(q.shape, jnp.bfloat16)
     return impl(q, cache, block_tables, seq_lens, sm_scale=scale, num_partitions=num_partitions)
@@ -130,25 +129,35 @@ def validate_ultraquant_decode(q, cache, block_tables, seq_lens) -> None:
     """Checks ``ultraquant_decode``'s arguments, static and data-dependent; raises on the first
     problem.
 
-    Data checks: every seq_len is in [0, max_blocks * block_size]; every block-table entry a
-    request uses (the first ``ceil(seq_len / block_size)``) is in [0, num_blocks).
+    Data checks (computed where the data lives; only their findings reach the host): every
+    seq_len is in [0, max_blocks * block_size] (flagged although the op clamps it); every
+    block-table entry a request uses (the first ``ceil(seq_len / block_size)``) is in
+    [0, num_blocks) (flagged although the op masks its tokens; entries past those are never
+    checked). Raises ValueError.
     """
     _check_static("validate_ultraquant_decode", q, cache, block_tables, seq_lens)
-    _check_data(np.asarray(block_tables), np.asarray(seq_lens), cache.shape[0], cache.shape[1])
+    checks = _data_checks(*as_jax(block_tables, seq_lens), cache.shape[0], cache.shape[1])
+    run_data_checks(*checks)
 
 
-def _check_data(block_tables: np.ndarray, seq_lens: np.ndarray, num_blocks, block_size) -> None:
+def _data_checks(block_tables, seq_lens, num_blocks: int, block_size: int) -> list[DataCheck]:
     op = "ultraquant_decode"
-    num_blocks, block_size = int(num_blocks), int(block_size)
     capacity = block_tables.shape[1] * block_size
-    check_index_range(
-        op, "seq_lens", seq_lens, capacity + 1, f"block_tables holds {capacity} tokens per request"
-    )
-    used = np.arange(block_tables.shape[1])[None, :] < -(-seq_lens[:, None] // block_size)
-    check_index_range(
-        op,
-        "block_tables",
-        np.where(used, block_tables, 0),
-        num_blocks,
-        f"the cache has {num_blocks} blocks",
-    )
+    blocks = -(-jnp.clip(seq_lens, 0, capacity) // max(block_size, 1))
+    used = jnp.arange(block_tables.shape[1])[None, :] < blocks[:, None]
+    return [
+        range_check(
+            op,
+            "seq_lens",
+            seq_lens,
+            capacity + 1,
+            f"block_tables holds {capacity} tokens per request",
+        ),
+        range_check(
+            op,
+            "block_tables",
+            jnp.where(used, block_tables, 0),
+            num_blocks,
+            f"the cache has {num_blocks} blocks",
+        ),
+    ]

@@ -1,0 +1,129 @@
+"""validate=True: the data checks run where the data lives and only their findings (counts, a
+first bad index and its value) reach the host; a bad record scale is named by its kv row; under
+jax.jit a failure stops the call with the op's own message and nothing on stderr."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_sparse_mla as jsm
+from tests import cases as C
+
+RUNTIME_ERRORS = (ValueError, jax.errors.JaxRuntimeError)
+
+
+def _sparse(bad_row=None):
+    r = C.rng(50)
+    kv = C.make_records(r, 12)
+    if bad_row is not None:
+        kv[bad_row, 516:520] = np.frombuffer(np.float32(3.0).tobytes(), np.uint8)  # scale 1
+    q = C.bf16_normal(r, (3, 2, 576))
+    idx = np.int32([0, 1, 9, 9, 11, -1])  # rows 0, 1, 9, 11 referenced
+    indptr = np.int32([0, 2, 4, 6])
+    return q, jnp.asarray(kv), jnp.asarray(idx), jnp.asarray(indptr)
+
+
+SCALE_MSG = r"sparse_mla: kv row 9 scale 1 \(latent dims 128\.\.255\) is np\.float32\(3\.0\)"
+
+
+def test_names_the_kv_row_eagerly():
+    args = _sparse(bad_row=9)
+    with pytest.raises(ValueError, match=SCALE_MSG):
+        jsm.sparse_mla(*args, validate=True)
+    with pytest.raises(ValueError, match=SCALE_MSG):
+        jsm.validate_sparse_mla(*args)
+    jsm.sparse_mla(*_sparse(bad_row=5), validate=True)  # row 5 is not referenced
+
+
+@pytest.mark.parametrize("bad", ["scale", "idx", "indptr"])
+def test_under_jit_the_ops_message_and_a_quiet_stderr(bad, capfd):
+    q, kv, idx, indptr = _sparse(bad_row=9 if bad == "scale" else None)
+    if bad == "idx":
+        idx = idx.at[3].set(12)
+    if bad == "indptr":
+        indptr = indptr.at[2].set(1)
+    f = jax.jit(lambda *a: jsm.sparse_mla(*a, validate=True))
+    with pytest.raises(ValueError) as eager:
+        jsm.validate_sparse_mla(q, kv, idx, indptr)
+    capfd.readouterr()
+    with pytest.raises(RUNTIME_ERRORS) as e:
+        jax.block_until_ready(f(q, kv, idx, indptr))
+    assert str(eager.value) in str(e.value)  # the same message as eagerly
+    assert capfd.readouterr().err == ""  # no callback traceback logged
+
+
+def test_under_jit_valid_input_runs(capfd):
+    args = _sparse()
+    out = jax.jit(lambda *a: jsm.sparse_mla(*a, validate=True))(*args)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(jsm.sparse_mla(*args)))
+    assert capfd.readouterr().err == ""
+
+
+def _callback_operands(fn, *args):
+    """Sizes of the arrays every host callback of ``jit(fn)`` receives."""
+    sizes = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if "callback" in eqn.primitive.name:
+                sizes.extend(int(np.prod(v.aval.shape)) for v in eqn.invars)
+            for p in eqn.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else [p]:
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return sizes
+
+
+def test_the_kv_cache_stays_on_the_device():
+    q, kv, idx, indptr = _sparse()
+    kv = jnp.concatenate([kv] * 40)  # 480 rows: a copy would show
+    sizes = _callback_operands(lambda *a: jsm.sparse_mla(*a, validate=True), q, kv, idx, indptr)
+    assert sizes and max(sizes) <= 3, sizes
+    c = C.decode_case(51, seq_lens=(4, 9), h=2, n_nan=0)
+    args = (c.q, c.kv, jnp.asarray(c.kv_indices), jnp.asarray(c.kv_indptr))
+    sizes = _callback_operands(lambda *a: jsm.mla_decode(*a, validate=True), *args)
+    assert sizes and max(sizes) <= 3, sizes
+    u = C.uq_case(52, seq_lens=(3, 20), hk=1, g=2)
+    args = (u.q, jnp.asarray(u.cache), jnp.asarray(u.block_tables), jnp.asarray(u.seq_lens))
+    sizes = _callback_operands(lambda *a: jsm.ultraquant_decode(*a, validate=True), *args)
+    assert sizes and max(sizes) <= 3, sizes
+
+
+def test_decode_and_ultraquant_under_jit(capfd):
+    c = C.decode_case(53, seq_lens=(4, 9), h=2, n_nan=0)
+    bad = jnp.asarray(c.kv_indices).at[5].set(10**6)
+    f = jax.jit(lambda *a: jsm.mla_decode(*a, validate=True))
+    with pytest.raises(RUNTIME_ERRORS, match=r"mla_decode: kv_indices\[5\] = 1000000 is outside"):
+        jax.block_until_ready(f(c.q, c.kv, bad, jnp.asarray(c.kv_indptr)))
+    u = C.uq_case(54, seq_lens=(3, 20), hk=1, g=2)
+    bt = jnp.asarray(u.block_tables).at[1, 0].set(-5)
+    g = jax.jit(lambda *a: jsm.ultraquant_decode(*a, validate=True))
+    with pytest.raises(RUNTIME_ERRORS, match=r"ultraquant_decode: block_tables\[1, 0\] = -5"):
+        jax.block_until_ready(g(u.q, jnp.asarray(u.cache), bt, jnp.asarray(u.seq_lens)))
+    assert capfd.readouterr().err == ""
+
+
+def test_under_vmap():
+    q, kv, idx, indptr = _sparse()
+    qs = jnp.stack([q, q])
+    out = jax.vmap(lambda x: jsm.sparse_mla(x, kv, idx, indptr, validate=True))(qs)
+    assert out.shape == (2, 3, 2, 512)
+    bad_kv = _sparse(bad_row=11)[1]
+    with pytest.raises(RUNTIME_ERRORS, match="kv row 11 scale 1"):
+        jax.block_until_ready(
+            jax.vmap(lambda x: jsm.sparse_mla(x, bad_kv, idx, indptr, validate=True))(qs)
+        )
+
+
+def test_records_named_by_their_index():
+    r = C.rng(55)
+    rec = np.array(jsm.pack_fp8_ds_mla(C.random_latent(r, 6), C.random_rope(r, 6)))
+    rec[4, 524:528] = np.frombuffer(np.float32(2.0**9).tobytes(), np.uint8)  # scale 3 > 2^7
+    with pytest.raises(ValueError, match=r"records 4 scale 3 .* > 2\^7"):
+        jsm.validate_fp8_ds_mla_records(rec)
+    with pytest.raises(ValueError, match=r"records \(1, 1\) scale 3"):
+        jsm.validate_fp8_ds_mla_records(rec.reshape(2, 3, 656))
