@@ -1,7 +1,8 @@
 """The XLA FFI library that runs the gfx950 FlyDSL kernels on ROCm.
 
-The library (``_jsm_ffi*.so`` next to this file, built by ``pip install`` from ``csrc/`` and the
-kernel objects of ``python -m jax_sparse_mla.build --arch gfx950``; see BUILD.md) holds one
+The library (``_jsm_ffi*.so`` next to this file, built from ``csrc/`` and the kernel objects of
+``python -m jax_sparse_mla.build --arch gfx950`` by an install or wheel build with
+``JAX_SPARSE_MLA_KERNELS=gfx950``, or by that command with ``--link``; see BUILD.md) holds one
 handler per custom call target. Importing ``jax_sparse_mla`` registers them for platform
 "ROCM"; the library loads on any Linux machine (HIP is opened at first launch).
 ``JAX_SPARSE_MLA_FFI_LIBRARY`` points the loader at another copy. The library lists the
@@ -137,8 +138,9 @@ def flydsl_available() -> bool:
         return False
     if rocm_library() is None:
         warnings.warn(
-            "jax_sparse_mla: the FFI library is not built (reinstall with a C++ compiler, see "
-            "BUILD.md): implementation=None runs the jax-native 'xla' implementation on ROCm",
+            "jax_sparse_mla: this install has no FFI library (built only when asked: "
+            "JAX_SPARSE_MLA_KERNELS=gfx950 pip install ..., or the gfx950 wheel, see BUILD.md): "
+            "implementation=None runs the jax-native 'xla' implementation on ROCm",
             stacklevel=3,
         )
         return False

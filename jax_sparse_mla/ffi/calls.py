@@ -34,8 +34,9 @@ def _call(target: str, results, *args, **attrs):
     if ffi.rocm_devices():
         if ffi.rocm_library() is None:
             raise RuntimeError(
-                "jax_sparse_mla: implementation='flydsl' needs the FFI library, which is not "
-                "built (pip install with a C++ compiler, see BUILD.md)"
+                "jax_sparse_mla: implementation='flydsl' needs the FFI library, which this "
+                "install does not have (JAX_SPARSE_MLA_KERNELS=gfx950 pip install ..., or the "
+                "gfx950 wheel, see BUILD.md)"
             )
         if ffi.missing_kernels([target]):
             raise RuntimeError(
