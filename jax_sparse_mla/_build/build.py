@@ -327,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def link_ffi_library(kernel_dir: Path) -> Path:
-    """Relinks the FFI library this package loads (built by ``pip install`` when missing) with
-    ``kernel_dir``'s objects; a running process keeps the copy it loaded."""
+    """Links the FFI library this package loads (created next to ``jax_sparse_mla/ffi`` when the
+    install has none) with ``kernel_dir``'s objects; a running process keeps the copy it loaded."""
     from jax_sparse_mla import ffi
     from jax_sparse_mla._build import build_lib
 
