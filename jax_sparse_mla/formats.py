@@ -3,7 +3,7 @@
 Every writer here is a pure function that returns the updated cache. Under ``jax.jit`` with the
 cache donated (``jax.jit(f, donate_argnums=...)``) XLA performs the update in place, so a
 serving loop pays for the written rows only. All byte layouts are little-endian and fp8 is OCP
-e4m3fn (never FNUZ); see SPEC.md for the layouts.
+e4m3fn (never FNUZ); docs/formats.md describes the layouts and rules.
 
 Bit-exactness notes (XLA on CPU flushes subnormal floats to zero and its ``exp2`` is not exact at
 integers): powers of two are built from exponent bits, ``ceil(log2)`` and ``round(log2)`` are read

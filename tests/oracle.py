@@ -1,8 +1,9 @@
 """Independent float64 NumPy oracle for jax_sparse_mla.
 
 Nothing here imports jax, ml_dtypes or jax_sparse_mla: every codec is written by hand from its
-definition (SPEC.md) so that the library is checked against an implementation that shares no code
-with it. All attention math is done in float64 on exactly dequantized operands.
+definition (docs/formats.md, docs/semantics.md) so that the library is checked against an
+implementation that shares no code with it. All attention math is done in float64 on exactly
+dequantized operands.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def _ceil_log2_exact(v: np.ndarray) -> np.ndarray:
 
 
 def ds_mla_scales(latent_f32: np.ndarray) -> np.ndarray:
-    """[N, 512] float32 -> [N, 4] float32 power-of-two scales (SPEC writer rule)."""
+    """[N, 512] float32 -> [N, 4] float32 power-of-two scales (the format's writer rule)."""
     lat = np.asarray(latent_f32, dtype=np.float32).reshape(-1, 4, 128)
     amax = np.max(np.abs(lat), axis=-1)  # float32
     q = (amax / np.float32(448.0)).astype(np.float32)  # float32 division
@@ -205,7 +206,7 @@ assert np.array_equal(E2M1_TABLE[_LEVEL_CODES], E2M1_LEVELS)
 
 
 def e2m1_encode_scaled(y) -> np.ndarray:
-    """y (already divided by the group scale) -> 4-bit codes (uint8), SPEC rounding."""
+    """y (already divided by the group scale) -> 4-bit codes (uint8), the format's rounding."""
     y = np.asarray(y, dtype=np.float64)
     idx = np.sum(y[..., None] > E2M1_MIDPOINTS, axis=-1)
     return _LEVEL_CODES[idx]

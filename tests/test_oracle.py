@@ -56,7 +56,7 @@ def test_e4m3_matches_ml_dtypes():
             np.float32([448, 460, 463.9, -450]),
         ]
     )
-    # ml_dtypes turns |x| >= 464 into NaN; the SPEC saturates, so compare below that only.
+    # ml_dtypes turns |x| >= 464 into NaN; the format saturates, so compare below that only.
     x = x[np.abs(x) < 464]
     want = x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
     got = O.e4m3_encode(x.astype(np.float64))

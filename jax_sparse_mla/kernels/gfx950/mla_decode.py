@@ -1,4 +1,4 @@
-"""gfx950 (MI355) FlyDSL kernels of ``mla_decode``: split-KV partials and their combine (seed 004).
+"""gfx950 (MI355) FlyDSL kernels of ``mla_decode``: split-KV partials and their combine.
 
 ``jax_sparse_mla.emulation.mla_decode`` mirrors this arithmetic in jax (its docstring states the
 kernel-vs-emulation bound). Symbols: ``jsm_mla_decode_partials_q{1,2,4}`` and
@@ -62,11 +62,12 @@ the compiler does not wait for the next block's DMA before this block's LDS acce
 of one (split, request) run on one XCD (block ids ``8 k + x`` go to XCD ``x``: round-robin
 dispatch assumed), so a split's K rows come from HBM once per XCD L2.
 
-Relative to the seed: no warp specialization (WSPEC: every wave does the QK of its 16 keys and
+Relative to the reference design it started from (a gfx950 MLA decode kernel outside this
+repository): no warp specialization (WSPEC: every wave does the QK of its 16 keys and
 the PV of its 64 latents each block), a block's DMA is issued at once at the top of the block
 before (not spread over it) and waited for at once, q is split from global memory per lane
 (not staged in LDS), the index stream is read per lane (no LDS index staging), and q's
-power-of-two scale rides in the MFMA's E8M0 scales (the seed scales q by ``2^k`` and runs the
+power-of-two scale rides in the MFMA's E8M0 scales (the reference scales q by ``2^k`` and runs the
 unscaled MFMA; the products are the same).
 
 Partials launch ABI (``launch(*tensors, *scalars, stream)``; packed ``void **args``: per tensor

@@ -1,4 +1,4 @@
-"""gfx950 (MI355) FlyDSL kernel: sparse MLA forward over fp8_ds_mla records (seed 000).
+"""gfx950 (MI355) FlyDSL kernel: sparse MLA forward over fp8_ds_mla records (docs/formats.md).
 
 For query row ``r`` and head ``h`` (``H = num_heads <= 16`` heads per launch) the kernel computes
 ``out[r, h] = softmax_k(sm_scale * q[r, h]·K_k) @ V_k`` over the keys ``k = idx[p]``,
@@ -57,7 +57,7 @@ scale words [wave][block][32 tokens] at 0; tile maxima, then the final l, [16 he
 2336; at the next 128-B boundary the latent tile, 4 column blocks of [128 tokens][128 B] in
 which 16-B chunk ``c`` of token ``t`` sits at chunk ``c ^ f(t)``,
 ``f(t) = ((t >> 1) & 7) ^ (((t >> 4) & 1) << 1)``. 76160 B at H = 16: two workgroups fit a CU's
-160 KiB at every H. Design occupancy: 2 waves per SIMD (``waves_per_eu`` 2 as in the seed, so
+160 KiB at every H. Design occupancy: 2 waves per SIMD (``waves_per_eu`` 2, so
 <= 256 VGPR + AGPR per lane; every configuration compiles to 249-251 VGPRs, no AGPR, no
 spill, no scratch).
 
@@ -81,13 +81,15 @@ Heads beyond 16: the wrapper launches one configuration per group of <= 16 heads
 ``out`` and ``lse`` offset by the group's first head, the full tensors' strides, and the same
 CSR and cache; the groups' arithmetic is independent.
 
-Seed details decided here: ``s_hi >= 6`` (the seed clamps at 1 and leaves the lo scale
-``s_hi - 5`` undefined below 6); masked keys switch their DMA lanes off and read scale / rope from
-the query row (the seed reads record 0, whose garbage could turn ``0 x NaN`` into NaN); P goes
-through LDS once as f32 and each wave applies its own block's V scale (the seed stores four f16
-copies, 16 KiB at H = 16, one workgroup per CU); ``l == 0`` (not ``l <= 0``) marks a row
-without keys, so NaN propagates; the CSR slice is clamped to ``[0, nnz]``; ``sm_scale`` (not
-``sm_scale log2 e``), an LSE row stride and 64-bit q / out addressing are launch arguments.
+Details decided here (where the reference design it started from, a gfx950 kernel outside this
+repository, is silent or differs): ``s_hi >= 6`` (the reference clamps at 1 and leaves the lo
+scale ``s_hi - 5`` undefined below 6); masked keys switch their DMA lanes off and read scale /
+rope from the query row (the reference reads record 0, whose garbage could turn ``0 x NaN`` into
+NaN); P goes through LDS once as f32 and each wave applies its own block's V scale (the
+reference stores four f16 copies, 16 KiB at H = 16, one workgroup per CU); ``l == 0`` (not ``l
+<= 0``) marks a row without keys, so NaN propagates; the CSR slice is clamped to ``[0, nnz]``;
+``sm_scale`` (not ``sm_scale log2 e``), an LSE row stride and 64-bit q / out addressing are
+launch arguments.
 Preconditions the host does not check: record scales are powers of two (the kernel takes their
 exponent as the E8M0 scale) and <= 2^7 (else V is clamped); q is finite; a row holds < 2^30
 entries.

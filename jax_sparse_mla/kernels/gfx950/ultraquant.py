@@ -1,6 +1,7 @@
 """gfx950 (MI355) FlyDSL kernels of ``ultraquant_decode``: HD256 paged decode + partition reduce.
 
-Specification: seed 002 (SPEC.md, UltraQuant slot). ``jax_sparse_mla.emulation.ultraquant``
+The cache layout is the UltraQuant slot of ``docs/formats.md``; the op's contract is
+``ultraquant_decode``'s docstring (``docs/semantics.md``). ``jax_sparse_mla.emulation.ultraquant``
 reproduces the arithmetic below in jnp; keep the two in step.
 
 Decode (``ultraquant_decode``, one compiled variant per G in {6, 8, 16} x block size in
@@ -78,8 +79,8 @@ in partition order; out = bf16(acc * f32(1 / W)), 0 when W = 0 (no key in the re
 LDS (decode): 12800 bytes: [0, 4096) the e4m3 q tile (16 rows x 256 B, written once, read as
 the QK B operands each tile), [4096, 12800) the bf16 V tile (16 tokens x 544 B: 512 B + 32 B
 of row padding, so each 16-lane transposed read hits distinct banks). Design occupancy: 3
-waves per SIMD. LDS allows exactly that (12 one-wave workgroups per CU: LDS-bound, as in the
-seed) and the registers are budgeted to match (waves_per_eu 3: at most 168 VGPRs; the variants
+waves per SIMD. LDS allows exactly that (12 one-wave workgroups per CU: LDS-bound, by
+design) and the registers are budgeted to match (waves_per_eu 3: at most 168 VGPRs; the variants
 use 153-160 VGPRs, no AGPR, 48-50 SGPRs, no spill, no scratch). The next
 tile's loads are issued before the current tile's math (prefetch depth 1); empty volatile asm
 "pins" of each tile's inputs and of each group of 4 PV results are ordering points that keep
@@ -110,11 +111,12 @@ max_blocks_per_seq * block_size < 2^31; num_seqs * num_q_heads * num_partitions 
 indices in int32; every buffer base is then offset in 64 bits, so no buffer size limit).
 seq_lens is clamped to [0, max_blocks_per_seq * block_size]; sm_scale is any f32.
 
-Seed decisions (the seed leaves them open or they are ours): TILE 16, N_TILES 8 and the LDS
-layout above; the seed's centroid table is dropped (nothing reads it); q is always rotated in
+Decisions of this kernel (where the reference design it started from, a gfx950 kernel outside
+this repository, is silent or differs): TILE 16, N_TILES 8 and the LDS
+layout above; the reference's centroid table is dropped (nothing reads it); q is always rotated in
 the kernel (no pre-rotated q path) and kept in LDS as e4m3 bytes rather than bf16 (the same
 values: e4m3 is a subset of bf16); K goes from memory straight into the MFMA operand
-registers (the seed stages it through LDS: same operands, no LDS round trip); every
+registers (the reference stages it through LDS: same operands, no LDS round trip); every
 partition runs all of its tile-groups (no compile-time tile-groups-per-partition cap); the
 haircut clamps to +-448 before cvt_pk_fp8_f32 (saturation instead of NaN); stores of MFMA
 rows >= G fall outside their buffer descriptor's range and are dropped (no branch).
