@@ -132,6 +132,7 @@ from jax_sparse_mla.kernels.gfx950._primitives import (
     store_lds,
     uniform,
 )
+from jax_sparse_mla.kernels.gfx950.configs import MLA_DECODE_QLENS as QLENS
 
 KV_DIM = 576  # K = all 576 codes of a row; V = its first 512
 LATENT = 512
@@ -159,7 +160,6 @@ LO_SHIFT = 5  # lo = e4m3(residual * 2^5) (split_fp8), E8M0 scale of the lo oper
 PARTIALS_WAVES_PER_EU = 2
 COMBINE_WAVES = 4
 COMBINE_WAVES_PER_EU = 8
-QLENS = (1, 2, 4)
 
 
 @dataclasses.dataclass(frozen=True)

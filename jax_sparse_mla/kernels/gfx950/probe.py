@@ -69,10 +69,10 @@ from jax_sparse_mla.kernels.gfx950._primitives import (
     store_lds,
     uniform,
 )
+from jax_sparse_mla.kernels.gfx950.configs import PROBE_A_FORMATS as A_FORMATS
+from jax_sparse_mla.kernels.gfx950.configs import PROBE_READ_BITS as READ_BITS
 
 MAX_WAVES_PER_SIMD = 8
-A_FORMATS = (0, 4)  # the MFMA's cbsz: 0 = e4m3, 4 = e2m1
-READ_BITS = (8, 16)  # the element width of the transposing read
 LDS_BYTES = 1024  # the transposing-read probe's LDS: 16 bytes per lane
 
 

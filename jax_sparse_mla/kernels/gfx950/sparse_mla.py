@@ -130,8 +130,9 @@ from jax_sparse_mla.kernels.gfx950._primitives import (
     store_lds,
     uniform,
 )
+from jax_sparse_mla.kernels.gfx950.configs import SPARSE_MLA_HEADS, SPARSE_MLA_RETURN_LSE
+from jax_sparse_mla.kernels.gfx950.configs import SPARSE_MLA_MAX_HEADS as MAX_HEADS
 
-MAX_HEADS = 16
 RECORD_BYTES = 656
 TILE = 128  # tokens per tile
 THREADS = 256  # 4 waves of 64
@@ -181,8 +182,8 @@ class Config:
 
 CONFIGS: tuple[Config, ...] = tuple(
     Config(num_heads=heads, return_lse=lse)
-    for heads in range(1, MAX_HEADS + 1)
-    for lse in (False, True)
+    for heads in SPARSE_MLA_HEADS
+    for lse in SPARSE_MLA_RETURN_LSE
 )
 
 

@@ -144,6 +144,8 @@ from jax_sparse_mla.kernels.gfx950._primitives import (
     mfma_scaled,
     pin,
 )
+from jax_sparse_mla.kernels.gfx950.configs import ULTRAQUANT_BLOCK_SIZES as BLOCK_SIZES
+from jax_sparse_mla.kernels.gfx950.configs import ULTRAQUANT_GROUP_SIZES as GROUP_SIZES
 
 HEAD_DIM = 256
 WAVE = 64
@@ -151,8 +153,6 @@ TILE = 16  # tokens per QK / PV MFMA step
 TILE_GROUP = 128  # KV_COMPUTE_BLOCK: tokens per partition work item
 N_TILES = TILE_GROUP // TILE
 PV_GROUP = 4  # PV MFMAs per group of transposed V reads
-GROUP_SIZES = (6, 8, 16)
-BLOCK_SIZES = (16, 32, 64, 128, 256)
 
 # UltraQuant slot layout (bytes).
 K_CODES, K_SCALES, V_CODES, V_SCALES = 0, 128, 136, 264
