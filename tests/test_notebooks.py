@@ -1,12 +1,15 @@
 """The numerics notebooks (examples/notebooks/) run top to bottom at their default sizes.
 
-Each is executed with nbclient in a fresh python3 kernel of this interpreter, in a temporary
-directory (their figures land there, not in the repository); a cell that raises fails the test.
+Each is executed with nbclient in a fresh python3 kernel of this interpreter (JUPYTER_PATH puts
+this environment's kernel spec first; jupyter_client runs its "python" as sys.executable), in a
+temporary directory (their figures land there, not in the repository); a cell that raises fails
+the test.
 """
 
 from __future__ import annotations
 
 import pathlib
+import sys
 
 import nbformat
 import pytest
@@ -20,7 +23,8 @@ CELL_TIMEOUT_S = 600
 @pytest.mark.parametrize(
     "name", ["sparse_mla_numerics", "ultraquant_accuracy", "mla_decode_splits"]
 )
-def test_notebook_runs(name, tmp_path):
+def test_notebook_runs(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("JUPYTER_PATH", str(pathlib.Path(sys.prefix) / "share" / "jupyter"))
     nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
     client = NotebookClient(
         nb,
