@@ -1,12 +1,12 @@
-"""Choosing an implementation: ``implementation=None`` picks the best one available.
+"""Choosing an implementation by name, and the exact gradient of every implementation.
 
 Each op module keeps a table ``name -> function`` of the implementations it has; this module
-knows the names and why a missing one is missing.
+knows the names and why a missing one is missing. ``implementation=None`` is the table's
+per-platform choice, built with ``_platform``.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
@@ -76,19 +76,5 @@ def with_exact_gradient(fn: Callable, exact: Callable) -> Callable:
 
         call.defvjp(fwd, bwd)
         return call(*args, *(options[k] for k in traced))
-
-    return run
-
-
-def by_platform(default: Callable, **per_platform: Callable) -> Callable:
-    """``fn(*arrays, **options)`` that runs ``per_platform[p]`` when lowered for platform ``p``
-    (e.g. ``cuda=...``) and ``default`` elsewhere (``jax.lax.platform_dependent``: a lowering
-    holds only its own platform's branch). Every branch must return the same shapes."""
-
-    def run(*args, **options):
-        branches = {p: functools.partial(f, **options) for p, f in per_platform.items()}
-        return jax.lax.platform_dependent(
-            *args, default=functools.partial(default, **options), **branches
-        )
 
     return run

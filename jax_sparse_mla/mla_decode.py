@@ -20,13 +20,13 @@ from jax_sparse_mla._checks import (
     range_check,
     run_data_checks,
 )
-from jax_sparse_mla._dispatch import by_platform, resolve_implementation, with_exact_gradient
+from jax_sparse_mla._dispatch import resolve_implementation, with_exact_gradient
+from jax_sparse_mla._platform import by_platform, gfx950_or, hopper_or
 from jax_sparse_mla.emulation.mla_decode import (
     merge_attn_states_gfx950_emulation,
     mla_decode_partials_gfx950_emulation,
 )
 from jax_sparse_mla.ffi.calls import (
-    gfx950_or,
     merge_attn_states_flydsl,
     merge_unsupported,
     mla_decode_flydsl,
@@ -34,7 +34,6 @@ from jax_sparse_mla.ffi.calls import (
     mla_decode_unsupported,
 )
 from jax_sparse_mla.formats import KV_DIM, LATENT_DIM
-from jax_sparse_mla.kernels.pallas._common import hopper_or
 from jax_sparse_mla.kernels.pallas.merge import merge_partials_pallas
 from jax_sparse_mla.kernels.pallas.mla_decode import (
     merge_attn_states_pallas,
@@ -276,7 +275,8 @@ def _prepare(op, q, kv, kv_indices, kv_indptr, qlen, k_scale, v_scale, sm_scale,
     }
     q, kv, kv_indices, kv_indptr = as_jax(q, kv, kv_indices, kv_indptr)
     if validate:
-        run_data_checks(*_data_checks(kv_indices, kv_indptr, kv.shape[0]))
+        checks = _data_checks(kv_indices, kv_indptr, kv.shape[0])
+        kv_indices, kv_indptr = run_data_checks(checks, kv_indices, kv_indptr)
     codes = kv if kv.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(kv, jnp.uint8)
     return (q, codes, kv_indices, kv_indptr), kw
 
@@ -304,7 +304,7 @@ def validate_mla_decode(q, kv, kv_indices, kv_indptr, *, qlen: int = 1) -> None:
     masks it, at every position of ``kv_indices``. Raises ValueError.
     """
     _check_static("validate_mla_decode", q, kv, kv_indices, kv_indptr, qlen)
-    run_data_checks(*_data_checks(*as_jax(kv_indices, kv_indptr), kv.shape[0]))
+    run_data_checks(_data_checks(*as_jax(kv_indices, kv_indptr), kv.shape[0]))
 
 
 def _data_checks(kv_indices: jax.Array, kv_indptr: jax.Array, tokens: int) -> list[DataCheck]:

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sparse_mla import ffi
+from jax_sparse_mla import _platform, ffi
 from jax_sparse_mla.emulation import bounds as B
 from jax_sparse_mla.formats import KV_DIM, UQ_HEAD_DIM, pack_fp8_ds_mla, ultraquant_store
 from jax_sparse_mla.mla_decode import merge_attn_states, mla_decode_partials
@@ -350,7 +350,7 @@ def kernels_verified(family: str) -> bool:
     """Whether ``implementation=None`` may run ``family``'s kernels here: True without ROCm
     devices (lowering for another host), else the family's verdict on this GPU, decided once
     per process (a failure warns once)."""
-    devices = ffi.rocm_devices()
+    devices = _platform.rocm_devices()
     if not devices:
         return True
     with _LOCK:
@@ -404,7 +404,7 @@ def selfcheck(implementation: str = "flydsl", *, file=None) -> dict[str, FamilyR
     """
     out = sys.stdout if file is None else file
     if implementation == "flydsl":
-        gfx950 = [d for d in ffi.rocm_devices() if ffi.is_gfx950(d)]
+        gfx950 = [d for d in _platform.rocm_devices() if _platform.is_gfx950(d)]
         if not gfx950:
             print(
                 "jax_sparse_mla self-check: no gfx950 (MI355) ROCm device, nothing was run; "

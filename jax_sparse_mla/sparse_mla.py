@@ -17,11 +17,11 @@ from jax_sparse_mla._checks import (
     range_check,
     run_data_checks,
 )
-from jax_sparse_mla._dispatch import by_platform, resolve_implementation, with_exact_gradient
+from jax_sparse_mla._dispatch import resolve_implementation, with_exact_gradient
+from jax_sparse_mla._platform import by_platform, gfx950_or, hopper_or
 from jax_sparse_mla.emulation.sparse_mla import sparse_mla_gfx950_emulation
-from jax_sparse_mla.ffi.calls import gfx950_or, sparse_mla_flydsl, sparse_mla_unsupported
+from jax_sparse_mla.ffi.calls import sparse_mla_flydsl, sparse_mla_unsupported
 from jax_sparse_mla.formats import KV_DIM, MAX_KERNEL_SCALE, RECORD_BYTES, SCALES_OFFSET
-from jax_sparse_mla.kernels.pallas._common import hopper_or
 from jax_sparse_mla.kernels.pallas.sparse_mla import sparse_mla_kernel, sparse_mla_pallas
 from jax_sparse_mla.reference.sparse_mla import no_keys, sparse_mla_xla
 
@@ -107,7 +107,7 @@ def sparse_mla(
     scale = check_scalar(op, "sm_scale", DEFAULT_SM_SCALE if sm_scale is None else sm_scale)
     q, kv, idx, indptr = as_jax(q, kv, idx, indptr)
     if validate:
-        run_data_checks(*_data_checks(kv, idx, indptr))
+        kv, idx, indptr = run_data_checks(_data_checks(kv, idx, indptr), kv, idx, indptr)
     if q.size == 0 or kv.size == 0 or idx.size == 0:  # no key anywhere: no kernel launch
         out, lse = no_keys(q.shape[0], q.shape[1])
     else:
@@ -133,7 +133,7 @@ def validate_sparse_mla(q, kv, idx, indptr) -> None:
     kernel's precondition), named by its kv row. Raises ValueError.
     """
     _check_static("validate_sparse_mla", q, kv, idx, indptr)
-    run_data_checks(*_data_checks(*as_jax(kv, idx, indptr)))
+    run_data_checks(_data_checks(*as_jax(kv, idx, indptr)))
 
 
 def _data_checks(kv: jax.Array, idx: jax.Array, indptr: jax.Array) -> list[DataCheck]:
@@ -158,7 +158,7 @@ def validate_fp8_ds_mla_records(records) -> None:
     check_array(op, "records", records, dtypes=[jnp.uint8], min_ndim=1, last_dims=(RECORD_BYTES,))
     records = jnp.asarray(records)
     everything = jnp.ones(records.shape[:-1], bool)
-    run_data_checks(*_scale_checks(op, "records", records, everything, "in records"))
+    run_data_checks(_scale_checks(op, "records", records, everything, "in records"))
 
 
 def _scale_checks(op: str, name: str, records, referenced, among: str) -> list[DataCheck]:

@@ -14,11 +14,11 @@ from jax_sparse_mla._checks import (
     range_check,
     run_data_checks,
 )
-from jax_sparse_mla._dispatch import by_platform, resolve_implementation, with_exact_gradient
+from jax_sparse_mla._dispatch import resolve_implementation, with_exact_gradient
+from jax_sparse_mla._platform import by_platform, gfx950_or, hopper_or
 from jax_sparse_mla.emulation.ultraquant import ultraquant_decode_gfx950_emulation
-from jax_sparse_mla.ffi.calls import gfx950_or, ultraquant_decode_flydsl, ultraquant_unsupported
+from jax_sparse_mla.ffi.calls import ultraquant_decode_flydsl, ultraquant_unsupported
 from jax_sparse_mla.formats import UQ_HEAD_DIM, check_ultraquant_cache
-from jax_sparse_mla.kernels.pallas._common import hopper_or
 from jax_sparse_mla.kernels.pallas.ultraquant import (
     ultraquant_decode_kernel,
     ultraquant_decode_pallas,
@@ -102,7 +102,8 @@ def ultraquant_decode(
     impl = resolve_implementation(op, implementation, _IMPLEMENTATIONS)
     q, cache, block_tables, seq_lens = as_jax(q, cache, block_tables, seq_lens)
     if validate:
-        run_data_checks(*_data_checks(block_tables, seq_lens, cache.shape[0], cache.shape[1]))
+        checks = _data_checks(block_tables, seq_lens, cache.shape[0], cache.shape[1])
+        block_tables, seq_lens = run_data_checks(checks, block_tables, seq_lens)
     if q.size == 0 or cache.size == 0:  # no key anywhere: nothing to compute or launch
         return jnp.zeros(q.shape, jnp.bfloat16)
     return impl(q, cache, block_tables, seq_lens, sm_scale=scale, num_partitions=num_partitions)
@@ -137,7 +138,7 @@ def validate_ultraquant_decode(q, cache, block_tables, seq_lens) -> None:
     """
     _check_static("validate_ultraquant_decode", q, cache, block_tables, seq_lens)
     checks = _data_checks(*as_jax(block_tables, seq_lens), cache.shape[0], cache.shape[1])
-    run_data_checks(*checks)
+    run_data_checks(checks)
 
 
 def _data_checks(block_tables, seq_lens, num_blocks: int, block_size: int) -> list[DataCheck]:

@@ -12,7 +12,7 @@ import re
 import jax
 import pytest
 
-from jax_sparse_mla.ffi import is_gfx950
+from jax_sparse_mla._platform import is_gfx950
 
 
 @functools.cache

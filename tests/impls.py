@@ -27,9 +27,8 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
-from jax_sparse_mla.ffi import is_gfx950
+from jax_sparse_mla._platform import cuda_is_hopper, is_gfx950
 from jax_sparse_mla.ffi.calls import default_num_partitions, default_num_splits
-from jax_sparse_mla.kernels.pallas._common import _cuda_devices_supported
 from tests import oracle as O
 from tests import test_emulation_mla_decode as DE
 from tests import test_emulation_sparse_mla as SE
@@ -68,7 +67,7 @@ def default() -> str:
     newer) NVIDIA GPU, "xla" elsewhere."""
     if has_gfx950():
         return "flydsl"
-    return "pallas" if has_cuda() and _cuda_devices_supported() else "xla"
+    return "pallas" if has_cuda() and cuda_is_hopper() else "xla"
 
 
 def interpreted(impl: str) -> bool:

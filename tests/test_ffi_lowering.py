@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
-from jax_sparse_mla import ffi, self_check
+from jax_sparse_mla import _platform, ffi, self_check
 from jax_sparse_mla._build import build_lib
 
 CALL = re.compile(r"stablehlo\.custom_call @(\w+)\((.*?)\) \{(.*)\} : \((.*?)\) -> \(?(.*?)\)?$")
@@ -270,11 +270,11 @@ class FakeDevice:
 @pytest.fixture
 def rocm_devices(monkeypatch):
     def use(*devices):
-        monkeypatch.setattr(ffi, "rocm_devices", lambda: list(devices))
-        ffi.flydsl_available.cache_clear()
+        monkeypatch.setattr(_platform, "rocm_devices", lambda: list(devices))
+        _platform.flydsl_available.cache_clear()
 
     yield use
-    ffi.flydsl_available.cache_clear()
+    _platform.flydsl_available.cache_clear()
 
 
 def test_non_gfx950_rocm_device_warns_once_and_falls_back(rocm_devices):

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_sparse_mla as jsm
-from jax_sparse_mla import ffi, self_check
+from jax_sparse_mla import _platform, ffi, self_check
 from jax_sparse_mla._build import build_lib
 from tests.test_ffi_lowering import FakeDevice, jsm_targets, sparse_args
 
@@ -71,8 +71,8 @@ def stand_in(monkeypatch, family, perturb=None):
 def mi355(monkeypatch, tmp_path):
     """This process sees one (fake) MI355 with the FFI library and all its kernels; verdicts
     kept under tmp_path, none decided yet. Each family keeps its first case (CPU time)."""
-    monkeypatch.setattr(ffi, "rocm_devices", lambda: [MI355])
-    monkeypatch.setattr(ffi, "flydsl_available", lambda: True)
+    monkeypatch.setattr(_platform, "rocm_devices", lambda: [MI355])
+    monkeypatch.setattr(_platform, "flydsl_available", lambda: True)
     monkeypatch.setattr(ffi, "rocm_library", lambda: "the FFI library")
     monkeypatch.setattr(ffi, "library_kernels", lambda: frozenset(
         ["jsm_sparse_mla_h16_l1", "jsm_mla_decode_partials_q1", "jsm_mla_decode_combine",
@@ -247,7 +247,7 @@ def run_pytest(tmp_path, *args):
 
 @functools.cache
 def _has_gfx950() -> bool:
-    return any(ffi.is_gfx950(d) for d in ffi.rocm_devices())
+    return any(_platform.is_gfx950(d) for d in _platform.rocm_devices())
 
 
 def test_gfx950_marker_without_an_mi355_fails_saying_what_jax_sees(tmp_path):

@@ -13,13 +13,12 @@ batch element (``vmap_method="sequential"``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sparse_mla import ffi
+from jax_sparse_mla import _platform, ffi
 from jax_sparse_mla.formats import LATENT_DIM, RECORD_BYTES, UQ_HEAD_DIM
 from jax_sparse_mla.kernels.gfx950.configs import MLA_DECODE_QLENS as KERNEL_QLENS
 from jax_sparse_mla.kernels.gfx950.configs import ULTRAQUANT_BLOCK_SIZES as KERNEL_BLOCK_SIZES
@@ -31,7 +30,7 @@ _UQ_WORKGROUPS_PER_CU = 12
 
 
 def _call(target: str, results, *args, **attrs):
-    if ffi.rocm_devices():
+    if _platform.rocm_devices():
         if ffi.rocm_library() is None:
             raise RuntimeError(
                 "jax_sparse_mla: implementation='flydsl' needs the FFI library, which this "
@@ -64,28 +63,6 @@ def _nonstatic(names_values) -> str | None:
 def _require(why: str | None, op: str) -> None:
     if why is not None:
         raise NotImplementedError(f"{op}: implementation='flydsl' cannot run this call: {why}")
-
-
-def gfx950_or(
-    family: str, kernel_fn: Callable, fallback: Callable, unsupported: Callable
-) -> Callable:
-    """The ROCm branch of ``implementation=None``: ``kernel_fn`` when the target is gfx950,
-    ``unsupported(*args, **options)`` is None and the kernel ``family`` (a key of
-    ``self_check.FAMILIES``) passed its self-check on this machine's GPU, else ``fallback``;
-    decided at trace time (the self-check runs eagerly, once)."""
-
-    def run(*args, **options):
-        from jax_sparse_mla.self_check import kernels_verified  # imports the ops: not at the top
-
-        if (
-            ffi.flydsl_available()
-            and unsupported(*args, **options) is None
-            and kernels_verified(family)
-        ):
-            return kernel_fn(*args, **options)
-        return fallback(*args, **options)
-
-    return run
 
 
 # ---------------------------------------------------------------------------------------------

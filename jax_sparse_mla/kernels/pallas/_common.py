@@ -1,4 +1,4 @@
-"""Pieces shared by the Pallas kernels: gathers, launch parameters, the CUDA/interpret choice."""
+"""Pieces shared by the Pallas kernels: gathers, launch parameters, the CUDA/interpret switch."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_sparse_mla._dispatch import by_platform
+from jax_sparse_mla._platform import by_platform
 
 # Programs to aim for when splitting work: two resident programs on each of the H200's 132 SMs.
 TARGET_PROGRAMS = 264
@@ -20,7 +20,7 @@ def on_cuda_or_interpret(kernel_fn: Callable) -> Callable:
     """``kernel_fn(*arrays, **options, interpret=...)`` compiled (Triton) when lowered for CUDA
     and run in Pallas interpret mode elsewhere.
 
-    The choice is made per lowering platform (``_dispatch.by_platform``: a lowering holds only
+    The choice is made per lowering platform (``_platform.by_platform``: a lowering holds only
     its own platform's branch). ``options`` may hold traced scalars.
     """
     run = by_platform(
@@ -147,28 +147,3 @@ def choose_splits(programs: int, avg_keys: float, min_keys: int) -> int:
     at least ``min_keys`` keys of an average row."""
     want = -(-TARGET_PROGRAMS // max(programs, 1))
     return int(max(1, min(want, avg_keys // min_keys)))
-
-
-@functools.cache
-def _cuda_devices_supported() -> bool:
-    """True unless a visible CUDA device is older than Hopper (compute capability 9.0).
-
-    With no CUDA device visible (lowering for CUDA from another host) the target is assumed
-    to be Hopper.
-    """
-    try:
-        devices = jax.devices("cuda")
-    except RuntimeError:
-        return True
-    return all(float(getattr(d, "compute_capability", "9.0")) >= 9.0 for d in devices)
-
-
-def hopper_or(kernel_fn: Callable, fallback: Callable) -> Callable:
-    """The CUDA branch of ``implementation=None``: ``kernel_fn`` on Hopper or newer GPUs,
-    ``fallback`` (the exact "xla" implementation) on older ones, decided at trace time."""
-
-    def run(*args, **options):
-        fn = kernel_fn if _cuda_devices_supported() else fallback
-        return fn(*args, **options)
-
-    return run

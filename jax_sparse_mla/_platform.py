@@ -1,0 +1,133 @@
+"""The platform choice of ``implementation=None``, in one place.
+
+``by_platform`` picks a branch per lowering platform (a lowering holds only its own platform's
+branch); within a branch the choice is made at trace time from the devices of this process:
+``hopper_or`` (CUDA: the Pallas kernels on Hopper or newer) and ``gfx950_or`` (ROCm: the FlyDSL
+kernels on MI355 GPUs, when the FFI library has them and their self-check passed). With no
+device of the lowering's platform in the process (lowering for another host) the target is
+assumed to be the one the kernels are for.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+
+import jax
+
+from jax_sparse_mla import ffi
+
+
+def by_platform(default: Callable, **per_platform: Callable) -> Callable:
+    """``fn(*arrays, **options)`` that runs ``per_platform[p]`` when lowered for platform ``p``
+    (e.g. ``cuda=...``) and ``default`` elsewhere (``jax.lax.platform_dependent``: a lowering
+    holds only its own platform's branch). Every branch must return the same shapes."""
+
+    def run(*args, **options):
+        branches = {p: functools.partial(f, **options) for p, f in per_platform.items()}
+        return jax.lax.platform_dependent(
+            *args, default=functools.partial(default, **options), **branches
+        )
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: Hopper
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def cuda_is_hopper() -> bool:
+    """True unless a visible CUDA device is older than Hopper (compute capability 9.0).
+
+    With no CUDA device visible (lowering for CUDA from another host) the target is assumed
+    to be Hopper.
+    """
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        return True
+    return all(float(getattr(d, "compute_capability", "9.0")) >= 9.0 for d in devices)
+
+
+def hopper_or(kernel_fn: Callable, fallback: Callable) -> Callable:
+    """The CUDA branch of ``implementation=None``: ``kernel_fn`` on Hopper or newer GPUs,
+    ``fallback`` (the exact "xla" implementation) on older ones, decided at trace time."""
+
+    def run(*args, **options):
+        fn = kernel_fn if cuda_is_hopper() else fallback
+        return fn(*args, **options)
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
+# ROCm: gfx950 (MI355)
+# ---------------------------------------------------------------------------------------------
+
+
+def rocm_devices() -> list:
+    try:
+        return jax.devices("rocm")
+    except RuntimeError:  # no ROCm backend in this process (e.g. lowering for ROCm from a CPU host)
+        return []
+
+
+def is_gfx950(device) -> bool:
+    """Whether a jax ROCm device is an MI350-series (gfx950) GPU."""
+    names = f"{getattr(device, 'compute_capability', '')} {device.device_kind}".lower()
+    return "gfx950" in names or "mi35" in names
+
+
+@functools.cache
+def flydsl_available() -> bool:
+    """Whether ``implementation=None`` may pick the FlyDSL kernels for a ROCm lowering.
+
+    With no ROCm device in this process (lowering for ROCm from another host) the target is
+    assumed to be an MI355. With ROCm devices, all of them must be gfx950 and the FFI library
+    must be built; otherwise a one-time warning says why the jax-native implementation runs.
+    """
+    devices = rocm_devices()
+    if not devices:
+        return True
+    other = sorted({d.device_kind for d in devices if not is_gfx950(d)})
+    if other:
+        warnings.warn(
+            f"jax_sparse_mla: the FlyDSL kernels need gfx950 (MI355) GPUs; this process has "
+            f"{', '.join(other)}: implementation=None runs the jax-native 'xla' implementation",
+            stacklevel=3,
+        )
+        return False
+    if ffi.rocm_library() is None:
+        warnings.warn(
+            "jax_sparse_mla: this install has no FFI library (built only when asked: "
+            "JAX_SPARSE_MLA_KERNELS=gfx950 pip install ..., or the gfx950 wheel, see BUILD.md): "
+            "implementation=None runs the jax-native 'xla' implementation on ROCm",
+            stacklevel=3,
+        )
+        return False
+    return True
+
+
+def gfx950_or(
+    family: str, kernel_fn: Callable, fallback: Callable, unsupported: Callable
+) -> Callable:
+    """The ROCm branch of ``implementation=None``: ``kernel_fn`` when the target is gfx950,
+    ``unsupported(*args, **options)`` is None and the kernel ``family`` (a key of
+    ``self_check.FAMILIES``) passed its self-check on this machine's GPU, else ``fallback``;
+    decided at trace time (the self-check runs eagerly, once)."""
+
+    def run(*args, **options):
+        from jax_sparse_mla.self_check import kernels_verified  # imports the ops: not at the top
+
+        if (
+            flydsl_available()
+            and unsupported(*args, **options) is None
+            and kernels_verified(family)
+        ):
+            return kernel_fn(*args, **options)
+        return fallback(*args, **options)
+
+    return run
