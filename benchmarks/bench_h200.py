@@ -114,7 +114,7 @@ def mla_decode_cases(key):
                             return_lse=True,
                             implementation=impl,
                         )
-                    ),  # fmt: skip
+                    ),
                     (q, cache, kv_indices, kv_indptr),
                     nbytes,
                     flops,

@@ -170,9 +170,11 @@ def _ultraquant(seed, g, hk, block_size, seq_lens, partitions, impl):
 
     def run(implementation, cache):
         fn = functools.partial(
-            ultraquant_decode, sm_scale=sm_scale, num_partitions=partitions,
+            ultraquant_decode,
+            sm_scale=sm_scale,
+            num_partitions=partitions,
             implementation=implementation,
-        )  # fmt: skip
+        )
         return jax.jit(fn)(q, cache, tables, lens)
 
     out_k, out_e = run(impl, cache), run(EMULATION, cache)
@@ -274,8 +276,12 @@ def cache_path(family: str, device: str, library: str) -> Path | None:
 
 
 def _key(result: FamilyResult) -> dict:
-    return {"family": result.family, "device": result.device, "library_sha256": result.library,
-            "check_sha256": _sources_hash()}  # fmt: skip
+    return {
+        "family": result.family,
+        "device": result.device,
+        "library_sha256": result.library,
+        "check_sha256": _sources_hash(),
+    }
 
 
 def write_verdict(result: FamilyResult) -> None:

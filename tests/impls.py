@@ -139,9 +139,17 @@ def decode_partials(impl: str, case, num_splits: int):
 
 def _decode_oracle(case, num_splits=None):
     return O.mla_decode(
-        case.q, case.kv_codes, case.kv_indices, case.kv_indptr, case.qlen, case.k_scale,
-        case.v_scale, case.sm_scale, num_splits=num_splits, stats=True,
-    )  # fmt: skip
+        case.q,
+        case.kv_codes,
+        case.kv_indices,
+        case.kv_indptr,
+        case.qlen,
+        case.k_scale,
+        case.v_scale,
+        case.sm_scale,
+        num_splits=num_splits,
+        stats=True,
+    )
 
 
 def check_decode(impl: str, case, out, lse, num_splits=None, what="mla_decode") -> None:
@@ -170,10 +178,13 @@ def check_partials(impl: str, case, num_splits: int, o_parts, lse_parts, what="p
         return
     ref, ref_lse, st = _decode_oracle(case, num_splits)
     _attention_check(impl)(
-        _f64(o_parts).reshape(n * num_splits, h, 512), ref.reshape(n * num_splits, h, 512),
-        [x for x in st for _ in range(num_splits)], _f64(lse_parts).reshape(n * num_splits, h),
-        ref_lse.reshape(n * num_splits, h), what=what,
-    )  # fmt: skip
+        _f64(o_parts).reshape(n * num_splits, h, 512),
+        ref.reshape(n * num_splits, h, 512),
+        [x for x in st for _ in range(num_splits)],
+        _f64(lse_parts).reshape(n * num_splits, h),
+        ref_lse.reshape(n * num_splits, h),
+        what=what,
+    )
 
 
 def merge_tolerance(impl: str, o_parts, lse_parts, ref, ref_lse):
@@ -217,8 +228,9 @@ def check_uq(impl: str, case, out, sm_scale=1 / 16, num_partitions=None, what="u
         ref = UE.oracle_on(UE.kernel_query(case.q), case, sm_scale)
         UE.check(out, ref, uq_partitions(impl, case, num_partitions), what)
         return
-    ref, _, st = O.ultraquant_decode(case.q, case.cache, case.block_tables, case.seq_lens,
-                                     sm_scale, stats=True)  # fmt: skip
+    ref, _, st = O.ultraquant_decode(
+        case.q, case.cache, case.block_tables, case.seq_lens, sm_scale, stats=True
+    )
     g = case.q.shape[1] // case.cache.shape[2]
     _attention_check(impl)(out, ref, st, heads_per_entry=g, what=what)
 

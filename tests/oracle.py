@@ -366,9 +366,18 @@ def _decode_request_kv(kv_codes, kv_indices, kv_indptr, r, k_scale, v_scale):
 
 
 def mla_decode(
-    q, kv_codes, kv_indices, kv_indptr, qlen=1, k_scale=1.0, v_scale=1.0, sm_scale=None,
-    num_splits=None, stats=False, k_transform=None,
-):  # fmt: skip
+    q,
+    kv_codes,
+    kv_indices,
+    kv_indptr,
+    qlen=1,
+    k_scale=1.0,
+    v_scale=1.0,
+    sm_scale=None,
+    num_splits=None,
+    stats=False,
+    k_transform=None,
+):
     """Full attention (num_splits=None) or partials (num_splits=S).
     Returns (out [B*qlen,H,512], lse [B*qlen,H]) or (o_parts [B*qlen,S,H,512], lse_parts).
     k_transform (meta-tests only) is applied to the dequantized K, e.g. to emulate a bf16 K."""

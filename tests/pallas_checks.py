@@ -18,8 +18,7 @@ from tests import oracle as O
 P_ROUNDING = 2.0**-8  # bf16 unit roundoff
 
 
-def check_kernel_attention(out, ref, stats, lse=None, ref_lse=None, heads_per_entry=None,
-                           what=""):  # fmt: skip
+def check_kernel_attention(out, ref, stats, lse=None, ref_lse=None, heads_per_entry=None, what=""):
     """``oracle.check_attention`` with the bf16-P term added to the output tolerance."""
     out = O.to_f64(out)
     ref = np.asarray(ref, np.float64)

@@ -24,9 +24,17 @@ def _case(seq_lens=(9, 6)):
 
 def _run(impl, c, codes, **kw):
     return jsm.mla_decode(
-        c.q, jnp.asarray(codes), jnp.asarray(c.kv_indices), jnp.asarray(c.kv_indptr), qlen=QLEN,
-        k_scale=c.k_scale, v_scale=c.v_scale, return_lse=True, implementation=impl, **kw,
-    )  # fmt: skip
+        c.q,
+        jnp.asarray(codes),
+        jnp.asarray(c.kv_indices),
+        jnp.asarray(c.kv_indptr),
+        qlen=QLEN,
+        k_scale=c.k_scale,
+        v_scale=c.v_scale,
+        return_lse=True,
+        implementation=impl,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -81,10 +81,14 @@ def run_partials(case, num_splits, fresh=False):
     else:
         f = _partials_fn(fn, case.qlen, num_splits)
     o, lse = f(
-        case.q, jnp.asarray(case.kv_codes), jnp.asarray(case.kv_indices),
-        jnp.asarray(case.kv_indptr), k_scale=np.float32(case.k_scale),
-        v_scale=np.float32(case.v_scale), sm_scale=np.float32(_sm(case)),
-    )  # fmt: skip
+        case.q,
+        jnp.asarray(case.kv_codes),
+        jnp.asarray(case.kv_indices),
+        jnp.asarray(case.kv_indptr),
+        k_scale=np.float32(case.k_scale),
+        v_scale=np.float32(case.v_scale),
+        sm_scale=np.float32(_sm(case)),
+    )
     n, h = case.q.shape[:2]
     assert o.shape == (n, num_splits, h, 512) and lse.shape == (n, num_splits, h)
     assert o.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
@@ -261,9 +265,17 @@ def test_partials(name):
     case = C.decode_case(**kw, as_uint8=True)
     ref, ref_lse, tol, lse_tol = expected_partials(case, num_splits)
     oref, oref_lse, st = O.mla_decode(
-        case.q, case.kv_codes, case.kv_indices, case.kv_indptr, case.qlen, case.k_scale,
-        case.v_scale, case.sm_scale, num_splits=num_splits, stats=True,
-    )  # fmt: skip
+        case.q,
+        case.kv_codes,
+        case.kv_indices,
+        case.kv_indptr,
+        case.qlen,
+        case.k_scale,
+        case.v_scale,
+        case.sm_scale,
+        num_splits=num_splits,
+        stats=True,
+    )
     np.testing.assert_allclose(oref, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max(initial=1))
     np.testing.assert_allclose(oref_lse, ref_lse, rtol=1e-9, atol=1e-9)
     out, lse = run_partials(case, num_splits)
@@ -273,11 +285,16 @@ def test_partials(name):
     if not with_xla:
         return
     xo, xl = mla_decode_partials_f32(
-        case.q, jnp.asarray(case.kv_codes), jnp.asarray(case.kv_indices),
-        jnp.asarray(case.kv_indptr), qlen=case.qlen, k_scale=jnp.float32(case.k_scale),
-        v_scale=jnp.float32(case.v_scale), sm_scale=jnp.float32(_sm(case)),
+        case.q,
+        jnp.asarray(case.kv_codes),
+        jnp.asarray(case.kv_indices),
+        jnp.asarray(case.kv_indptr),
+        qlen=case.qlen,
+        k_scale=jnp.float32(case.k_scale),
+        v_scale=jnp.float32(case.v_scale),
+        sm_scale=jnp.float32(_sm(case)),
         num_splits=num_splits,
-    )  # fmt: skip
+    )
     # "xla" is within oracle.check_attention's f32 bound of the reference (the full row's stats
     # bound every split's), so the emulation is within the sum of both bounds of "xla".
     n_keys, vmax, sabs = (x[:, None] for x in O.stats_atol(st, case.q.shape[:2]))
@@ -292,9 +309,13 @@ def test_partials_vmap():
     case = C.decode_case(7, seq_lens=(40, 260), qlen=2, h=2, as_uint8=True)
     q2 = jnp.stack([case.q, -case.q])
     f = functools.partial(
-        E.mla_decode_partials_gfx950_emulation, qlen=2, num_splits=2, k_scale=case.k_scale,
-        v_scale=case.v_scale, sm_scale=DEFAULT_SM,
-    )  # fmt: skip
+        E.mla_decode_partials_gfx950_emulation,
+        qlen=2,
+        num_splits=2,
+        k_scale=case.k_scale,
+        v_scale=case.v_scale,
+        sm_scale=DEFAULT_SM,
+    )
     args = (jnp.asarray(case.kv_codes), jnp.asarray(case.kv_indices), jnp.asarray(case.kv_indptr))
     o2, l2 = jax.jit(jax.vmap(lambda q: f(q, *args)))(q2)
     for b in range(2):
@@ -384,8 +405,9 @@ def test_merge_random_partials():
     o_bad[..., 0] = np.where(empty, np.inf, o_bad[..., 0])
     ref, ref_lse = O.merge_attn_states(np.where(empty[..., None], 0.0, o), lse)
     out, out_lse = run_merge(jnp.asarray(o_bad, jnp.bfloat16), jnp.asarray(lse))
-    tol, lse_tol = merge_bound(O.to_f64(np.where(empty[..., None], 0.0, o)), O.to_f64(lse), ref,
-                               ref_lse)  # fmt: skip
+    tol, lse_tol = merge_bound(
+        O.to_f64(np.where(empty[..., None], 0.0, o)), O.to_f64(lse), ref, ref_lse
+    )
     check(out, out_lse, ref, ref_lse, tol, lse_tol, "merge")
     np.testing.assert_array_equal(out[1], O.to_f64(o)[1, 0])  # one finite partial: unchanged
     np.testing.assert_array_equal(out_lse[1], lse[1, 0])
@@ -400,9 +422,15 @@ def merged_bound(case, num_splits, o_p, lse_p):
     """
     _, ref_plse, tol_p, lse_tol_p = expected_partials(case, num_splits)
     ref, ref_lse = O.mla_decode(
-        case.q, case.kv_codes, case.kv_indices, case.kv_indptr, case.qlen, case.k_scale,
-        case.v_scale, case.sm_scale,
-    )  # fmt: skip
+        case.q,
+        case.kv_codes,
+        case.kv_indices,
+        case.kv_indptr,
+        case.qlen,
+        case.k_scale,
+        case.v_scale,
+        case.sm_scale,
+    )
     tol_m, lse_tol_m = merge_bound(o_p, lse_p, ref, ref_lse)
     fin = np.isfinite(ref_plse)
     total = np.where(np.isfinite(ref_lse), ref_lse, 0.0)[:, None]
@@ -545,8 +573,15 @@ def test_causal_hidden_nan_key(qlen, dims):
     assert np.all(np.isnan(out[seen])) and np.all(np.isnan(lse[seen]))
 
     keep = functools.partial(outside, seen)
-    check(keep(out), keep(lse), keep(ref), keep(ref_lse), keep(tol, 1.0), keep(lse_tol, 1.0),
-          f"q{qlen} hidden NaN")  # fmt: skip
+    check(
+        keep(out),
+        keep(lse),
+        keep(ref),
+        keep(ref_lse),
+        keep(tol, 1.0),
+        keep(lse_tol, 1.0),
+        f"q{qlen} hidden NaN",
+    )
 
 
 def outside(seen, x, fill=0.0) -> np.ndarray:

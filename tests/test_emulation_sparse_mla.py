@@ -265,8 +265,11 @@ def test_referenced_nan_record_propagates():
     r = C.rng(9)
     kv = C.make_records(r, 8)
     kv[5] = C.nan_records(1)[0]
-    case = padded(C.SparseCase(C.bf16_normal(r, (2, 16, 576)), kv, np.int32([1, 5, 2, 3]),
-                               np.int32([0, 2, 4])))  # fmt: skip
+    case = padded(
+        C.SparseCase(
+            C.bf16_normal(r, (2, 16, 576)), kv, np.int32([1, 5, 2, 3]), np.int32([0, 2, 4])
+        )
+    )
     out, lse = run(case)
     assert np.isnan(out[0]).all() and np.isnan(lse[0]).all()
     assert np.isfinite(out[1:]).all() and np.isfinite(lse[1]).all()

@@ -168,9 +168,12 @@ _rotate_query = jax.jit(E.rotate_query)
 def run_partials(case, num_partitions):
     """The emulated partials (o, max_logit, exp_sum) as float64 arrays."""
     parts = _partials(num_partitions)(
-        case.q, jnp.asarray(case.cache), jnp.asarray(case.block_tables),
-        jnp.asarray(case.seq_lens), sm_scale=np.float32(SM),
-    )  # fmt: skip
+        case.q,
+        jnp.asarray(case.cache),
+        jnp.asarray(case.block_tables),
+        jnp.asarray(case.seq_lens),
+        sm_scale=np.float32(SM),
+    )
     return parts
 
 
@@ -181,9 +184,12 @@ def run(case, num_partitions, fresh=False):
             functools.partial(E.ultraquant_decode_gfx950_emulation, num_partitions=num_partitions)
         )
         out = f(
-            case.q, jnp.asarray(case.cache), jnp.asarray(case.block_tables),
-            jnp.asarray(case.seq_lens), sm_scale=np.float32(SM),
-        )  # fmt: skip
+            case.q,
+            jnp.asarray(case.cache),
+            jnp.asarray(case.block_tables),
+            jnp.asarray(case.seq_lens),
+            sm_scale=np.float32(SM),
+        )
     else:
         out = _reduce(*run_partials(case, num_partitions))
     assert out.dtype == jnp.bfloat16 and out.shape == case.q.shape
@@ -269,9 +275,12 @@ def test_partials_vs_reference():
     def reference_on(cache):
         q_eff = jnp.asarray(O.uq_unrotate(q8), jnp.float32)
         o, lse = reference(
-            q_eff, jnp.asarray(cache), jnp.asarray(case.block_tables),
-            jnp.asarray(case.seq_lens), sm_scale=jnp.float32(SM),
-        )  # fmt: skip
+            q_eff,
+            jnp.asarray(cache),
+            jnp.asarray(case.block_tables),
+            jnp.asarray(case.seq_lens),
+            sm_scale=jnp.float32(SM),
+        )
         return O.to_f64(o), O.to_f64(lse)
 
     o_ref, lse_ref = reference_on(case.cache)

@@ -192,8 +192,12 @@ def test_dense_to_csr_errors():
 
 def decode_args():
     case = C.decode_case(2, seq_lens=(3, 5), qlen=2, h=2)
-    return dict(q=case.q, kv=case.kv, kv_indices=jnp.asarray(case.kv_indices),
-                kv_indptr=jnp.asarray(case.kv_indptr))  # fmt: skip
+    return dict(
+        q=case.q,
+        kv=case.kv,
+        kv_indices=jnp.asarray(case.kv_indices),
+        kv_indptr=jnp.asarray(case.kv_indptr),
+    )
 
 
 DECODE_BAD = [

@@ -78,8 +78,12 @@ def test_sparse_mla_lowers_to_its_custom_call(implementation):
     ((target, attrs, operands, results),) = custom_calls(fn, *sparse_args())
     assert target == "jsm_sparse_mla"
     assert attrs == "sm_scale = 1.000000e-01 : f32"
-    assert operands == ["tensor<3x20x576xbf16>", "tensor<10x656xui8>", "tensor<7xi32>",
-                        "tensor<4xi32>"]  # fmt: skip
+    assert operands == [
+        "tensor<3x20x576xbf16>",
+        "tensor<10x656xui8>",
+        "tensor<7xi32>",
+        "tensor<4xi32>",
+    ]
     assert results == ["tensor<3x20x512xbf16>", "tensor<3x20xf32>"]
     # Without the LSE the call has one result; any leading kv shape arrives as rows.
     q, kv, idx, indptr = sparse_args()
@@ -92,17 +96,26 @@ def test_sparse_mla_lowers_to_its_custom_call(implementation):
 @pytest.mark.parametrize("implementation", [None, "flydsl"])
 def test_mla_decode_lowers_to_partials_and_combine(implementation):
     fn = functools.partial(
-        jsm.mla_decode, qlen=2, k_scale=0.5, v_scale=2.0, sm_scale=0.25, num_splits=3,
+        jsm.mla_decode,
+        qlen=2,
+        k_scale=0.5,
+        v_scale=2.0,
+        sm_scale=0.25,
+        num_splits=3,
         implementation=implementation,
-    )  # fmt: skip
+    )
     (partials, combine) = custom_calls(fn, *decode_args())
     assert partials[0] == "jsm_mla_decode_partials"
     assert partials[1] == (
         "k_scale = 5.000000e-01 : f32, qlen = 2 : i32, sm_scale = 2.500000e-01 : f32, "
         "v_scale = 2.000000e+00 : f32"
     )
-    assert partials[2] == ["tensor<4x16x576xbf16>", "tensor<40x576xui8>", "tensor<40xi32>",
-                           "tensor<3xi32>"]  # fmt: skip
+    assert partials[2] == [
+        "tensor<4x16x576xbf16>",
+        "tensor<40x576xui8>",
+        "tensor<40xi32>",
+        "tensor<3xi32>",
+    ]
     assert partials[3] == ["tensor<4x3x16x512xbf16>", "tensor<4x3x16xf32>"]
     assert combine[0] == "jsm_mla_decode_combine" and combine[1] == ""
     assert combine[2] == partials[3]
@@ -139,8 +152,12 @@ def test_ultraquant_lowers_to_partials_and_reduce(implementation, g, kernel_g):
     partials, reduce = custom_calls(fn, *uq_args(g=g))
     assert partials[0] == "jsm_ultraquant_partials"
     assert partials[1] == "sm_scale = 6.250000e-02 : f32"
-    assert partials[2] == [f"tensor<2x{2 * kernel_g}x256xbf16>", "tensor<4x16x2x272xui8>",
-                           "tensor<2x3xi32>", "tensor<2xi32>"]  # fmt: skip
+    assert partials[2] == [
+        f"tensor<2x{2 * kernel_g}x256xbf16>",
+        "tensor<4x16x2x272xui8>",
+        "tensor<2x3xi32>",
+        "tensor<2xi32>",
+    ]
     parts = f"tensor<2x2x2x{kernel_g}"
     assert partials[3] == [f"{parts}x256xbf16>", f"{parts}xf32>", f"{parts}xf32>"]
     assert reduce[0] == "jsm_ultraquant_reduce" and reduce[2] == partials[3]
@@ -151,8 +168,11 @@ def test_ultraquant_lowers_to_partials_and_reduce(implementation, g, kernel_g):
 def test_mfma_probe_lowers_to_its_custom_call(a_format):
     from jax_sparse_mla.ffi.calls import mfma_probe
 
-    args = (jnp.zeros((64, 32), jnp.uint8), jnp.zeros((64, 32), jnp.uint8),
-            jnp.zeros((64, 2), jnp.int32))  # fmt: skip
+    args = (
+        jnp.zeros((64, 32), jnp.uint8),
+        jnp.zeros((64, 32), jnp.uint8),
+        jnp.zeros((64, 2), jnp.int32),
+    )
     fn = functools.partial(mfma_probe, a_format=a_format)
     ((target, attrs, operands, results),) = custom_calls(fn, *args)
     assert (target, attrs) == ("jsm_mfma_probe", f"a_format = {a_format} : i32")
@@ -201,17 +221,32 @@ def test_cuda_lowering_never_holds_the_rocm_calls(op):
 @pytest.mark.parametrize(
     ("op", "fn", "args", "why"),
     [
-        ("mla_decode", functools.partial(jsm.mla_decode, qlen=3), lambda: decode_args(qlen=3),
-         "qlen must be one of"),
-        ("ultraquant_decode", jsm.ultraquant_decode, lambda: uq_args(block_size=48),
-         "block_size must be one of"),
-        ("ultraquant_decode", jsm.ultraquant_decode, lambda: uq_args(g=20),
-         "query heads per KV head must be <= 16"),
-        ("merge_attn_states", jsm.merge_attn_states,
-         lambda: (jnp.zeros((2, 2, 4, 512), jnp.float32), jnp.zeros((2, 2, 4), jnp.float32)),
-         "bf16"),
+        (
+            "mla_decode",
+            functools.partial(jsm.mla_decode, qlen=3),
+            lambda: decode_args(qlen=3),
+            "qlen must be one of",
+        ),
+        (
+            "ultraquant_decode",
+            jsm.ultraquant_decode,
+            lambda: uq_args(block_size=48),
+            "block_size must be one of",
+        ),
+        (
+            "ultraquant_decode",
+            jsm.ultraquant_decode,
+            lambda: uq_args(g=20),
+            "query heads per KV head must be <= 16",
+        ),
+        (
+            "merge_attn_states",
+            jsm.merge_attn_states,
+            lambda: (jnp.zeros((2, 2, 4, 512), jnp.float32), jnp.zeros((2, 2, 4), jnp.float32)),
+            "bf16",
+        ),
     ],
-)  # fmt: skip
+)
 def test_unsupported_configurations_fall_back(op, fn, args, why):
     """implementation=None lowers to "xla" for what the kernels cannot serve; "flydsl" says why."""
     assert jsm_targets(fn, *args(), platform="rocm") == []

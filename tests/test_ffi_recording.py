@@ -49,10 +49,15 @@ def scenarios():
         )
         fn = jax.jit(
             lambda q, kv, idx, indptr: jsm.sparse_mla(
-                q, kv, idx, indptr, sm_scale=0.125, return_lse=return_lse,
+                q,
+                kv,
+                idx,
+                indptr,
+                sm_scale=0.125,
+                return_lse=return_lse,
                 implementation="flydsl",
             )
-        )  # fmt: skip
+        )
         return fn, args
 
     def decode(batch, qlen, h, splits, tokens):
@@ -64,10 +69,18 @@ def scenarios():
         )
         fn = jax.jit(
             lambda q, kv, i, p: jsm.mla_decode(
-                q, kv, i, p, qlen=qlen, k_scale=0.5, v_scale=2.0, sm_scale=0.1,
-                num_splits=splits, implementation="flydsl",
+                q,
+                kv,
+                i,
+                p,
+                qlen=qlen,
+                k_scale=0.5,
+                v_scale=2.0,
+                sm_scale=0.1,
+                num_splits=splits,
+                implementation="flydsl",
             )
-        )  # fmt: skip
+        )
         return fn, args
 
     def ultraquant(batch, hk, g, block_size, parts):
@@ -347,8 +360,12 @@ def test_mla_decode_partials_then_combine(recorded, name, batch, qlen, h, splits
     r = recorded[name]
     part, comb = launches(r["events"])
     groups = math.ceil(h * qlen / 16)  # 16 query rows per CTA
-    check_launch(part, f"jsm_mla_decode_partials_q{qlen}",
-                 (8 * groups * math.ceil(batch * splits / 8), 1, 1), (512, 1, 1))  # fmt: skip
+    check_launch(
+        part,
+        f"jsm_mla_decode_partials_q{qlen}",
+        (8 * groups * math.ceil(batch * splits / 8), 1, 1),
+        (512, 1, 1),
+    )
     a = packed(part)
     n = batch * qlen
     assert (a["Q:p"], a["Q:L1"]) == (r["pointers"]["q"], n * h * 576)
@@ -356,11 +373,29 @@ def test_mla_decode_partials_then_combine(recorded, name, batch, qlen, h, splits
     assert (a["IDX:p"], a["IDX:L1"]) == (r["pointers"]["kv_indices"], 2 * tokens)
     assert (a["IPTR:p"], a["IPTR:L1"]) == (r["pointers"]["kv_indptr"], batch + 1)
     assert (a["OP:L1"], a["LP:L1"]) == (n * splits * h * 512, n * splits * h)
-    scalars = [a[k] for k in ("num_requests:i32", "num_heads:i32", "num_splits:i32",
-                              "n_indices:i32", "tokens:i32", "k_scale:f32", "v_scale:f32",
-                              "sm_scale:f32")]  # fmt: skip
-    assert scalars == [batch, h, splits, 2 * tokens, tokens, f32_bits(0.5), f32_bits(2.0),
-                       f32_bits(0.1)]  # fmt: skip
+    scalars = [
+        a[k]
+        for k in (
+            "num_requests:i32",
+            "num_heads:i32",
+            "num_splits:i32",
+            "n_indices:i32",
+            "tokens:i32",
+            "k_scale:f32",
+            "v_scale:f32",
+            "sm_scale:f32",
+        )
+    ]
+    assert scalars == [
+        batch,
+        h,
+        splits,
+        2 * tokens,
+        tokens,
+        f32_bits(0.5),
+        f32_bits(2.0),
+        f32_bits(0.1),
+    ]
     check_launch(comb, "jsm_mla_decode_combine", (math.ceil(n * h / 4), 1, 1), (256, 1, 1))
     c = packed(comb)
     assert (c["OP:p"], c["LP:p"]) == (a["OP:p"], a["LP:p"])  # the partials feed the combine
@@ -380,8 +415,9 @@ def test_ultraquant_partials_then_reduce(recorded, name, g, kernel_g, block_size
     r = recorded[name]
     batch, hk = 2, 2
     dec, red = launches(r["events"])
-    check_launch(dec, f"jsm_ultraquant_decode_g{kernel_g}_bs{block_size}", (batch, hk, parts),
-                 (64, 1, 1))  # fmt: skip
+    check_launch(
+        dec, f"jsm_ultraquant_decode_g{kernel_g}_bs{block_size}", (batch, hk, parts), (64, 1, 1)
+    )
     a = packed(dec)
     rows = batch * hk * parts * kernel_g
     assert (a["out_parts:L1"], a["max_logits:L1"], a["exp_sums:L1"]) == (rows * 256, rows, rows)
@@ -410,9 +446,16 @@ def test_ultraquant_partials_then_reduce(recorded, name, g, kernel_g, block_size
     check_launch(red, "jsm_ultraquant_reduce", (batch, hk * kernel_g, 1), (64, 1, 1))
     b = packed(red)
     assert [b["out_parts:p"], b["max_logits:p"], b["exp_sums:p"]] == [
-        a["out_parts:p"], a["max_logits:p"], a["exp_sums:p"]]  # fmt: skip
-    assert [b["num_seqs:i32"], b["num_kv_heads:i32"], b["query_group_size:i32"],
-            b["num_partitions:i32"]] == [batch, hk, kernel_g, parts]  # fmt: skip
+        a["out_parts:p"],
+        a["max_logits:p"],
+        a["exp_sums:p"],
+    ]
+    assert [
+        b["num_seqs:i32"],
+        b["num_kv_heads:i32"],
+        b["query_group_size:i32"],
+        b["num_partitions:i32"],
+    ] == [batch, hk, kernel_g, parts]
     assert red["kernel_args"] == [v for n, _, v in red["packed"] if n != "num_seqs"]
 
 

@@ -341,9 +341,11 @@ def test_ultraquant_store_v_ties():
     t = v.shape[0]
     cache0 = np.zeros((1, t, 1, 272), np.uint8)
     got = uq_store(
-        jnp.asarray(cache0), jnp.zeros((t, 1, 256), jnp.bfloat16), v[:, None],
+        jnp.asarray(cache0),
+        jnp.zeros((t, 1, 256), jnp.bfloat16),
+        v[:, None],
         jnp.arange(t, dtype=jnp.int32),
-    )  # fmt: skip
+    )
     wc, ws = O.uq_quantize(x)
     got = u8(got)[0, :, 0]
     assert_bytes_equal(got[:, 136:264], wc, "V codes")
@@ -385,10 +387,12 @@ def test_ultraquant_store_tiny_v_group_clamp():
     v_b = C.to_bf16(v)
     got = u8(
         uq_store(
-            jnp.zeros((1, 1, 1, 272), jnp.uint8), jnp.zeros((1, 1, 256), jnp.bfloat16), v_b,
+            jnp.zeros((1, 1, 1, 272), jnp.uint8),
+            jnp.zeros((1, 1, 256), jnp.bfloat16),
+            v_b,
             jnp.zeros((1,), jnp.int32),
         )
-    )  # fmt: skip
+    )
     wc, ws = O.uq_quantize(np.asarray(v_b, np.float32))
     assert ws[0, 0, 0] == 1
     assert_bytes_equal(got[0, 0, :, 264:272], ws[0], "V scales")
@@ -414,8 +418,7 @@ def test_ultraquant_store_roundtrip_error():
     # and <= half a step (<= 1 * s) below 6
     r = C.rng(11)
     k, v = C.uq_kv(r, 8, 2)
-    cache = uq_store(jnp.zeros((1, 8, 2, 272), jnp.uint8), k, v,
-                                 jnp.arange(8, dtype=jnp.int32))  # fmt: skip
+    cache = uq_store(jnp.zeros((1, 8, 2, 272), jnp.uint8), k, v, jnp.arange(8, dtype=jnp.int32))
     kd, vd = O.uq_unpack(np.asarray(cache))
     vv = np.asarray(v, np.float64)
     s = 2.0 ** (np.asarray(cache)[..., 264:272].astype(np.float64) - 127)[0]
@@ -481,8 +484,11 @@ def test_concat_and_cache_mla_non_finite(as_uint8):
     lat, rope = _non_finite_latent(C.rng(43), jnp.float32)
     cache0 = np.zeros((4, 576), np.uint8)
     cache = jnp.asarray(cache0) if as_uint8 else jnp.asarray(cache0).view(jnp.float8_e4m3fn)
-    got = u8(np.asarray(jsm.concat_and_cache_mla(cache, lat, rope, np.arange(4, dtype=np.int32),
-                                                 scale=0.5)))  # fmt: skip
+    got = u8(
+        np.asarray(
+            jsm.concat_and_cache_mla(cache, lat, rope, np.arange(4, dtype=np.int32), scale=0.5)
+        )
+    )
     assert_bytes_equal(got, O.mla_cache_codes(lat, rope, 0.5), "concat_and_cache_mla")
     assert got[0, 5] == 0x7E and got[0, 130] == 0xFE and got[0, 512] == 0x7E
     assert got[0, 513] == 0xFE and got[0, 300] in (0x7F, 0xFF) and got[0, 514] in (0x7F, 0xFF)

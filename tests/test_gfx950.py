@@ -103,8 +103,11 @@ def per_lane(fn) -> np.ndarray:
 def split_k_registers(codes) -> np.ndarray:
     """The 8-bit operand layout (sparse_mla, mla_decode, ultraquant's q): lane 16g + i holds row
     i's K [16g, 16g + 16) in bytes 0-15 and [64 + 16g, 64 + 16g + 16) in bytes 16-31."""
-    return per_lane(lambda g, i: np.concatenate([codes[i, 16 * g : 16 * g + 16],
-                                                 codes[i, 64 + 16 * g : 80 + 16 * g]]))  # fmt: skip
+    return per_lane(
+        lambda g, i: np.concatenate(
+            [codes[i, 16 * g : 16 * g + 16], codes[i, 64 + 16 * g : 80 + 16 * g]]
+        )
+    )
 
 
 def contiguous_k_registers(codes) -> np.ndarray:
@@ -116,8 +119,11 @@ def contiguous_k_registers(codes) -> np.ndarray:
 def contiguous_k_nibble_registers(nibbles) -> np.ndarray:
     """The 4-bit operand layout (ultraquant's K): lane 16g + i holds row i's K [32g, 32g + 32)
     two per byte (element 2t in the low nibble) in bytes 0-15."""
-    packed = per_lane(lambda g, i: nibbles[i, 32 * g : 32 * g + 32 : 2]
-                      | (nibbles[i, 32 * g + 1 : 32 * g + 32 : 2] << 4))  # fmt: skip
+    packed = per_lane(
+        lambda g, i: (
+            nibbles[i, 32 * g : 32 * g + 32 : 2] | (nibbles[i, 32 * g + 1 : 32 * g + 32 : 2] << 4)
+        )
+    )
     return np.pad(packed, ((0, 0), (0, 16))).astype(np.uint8)
 
 
@@ -259,8 +265,10 @@ def check_tr_lane_map(bits, users, read=None):
         observed = f"the hardware does this instead: {tr_semantics(seen[0], bits)}"
     else:
         lane_of = {int(a): lane for lane, a in enumerate(TR_PROBE_ADDRS)}
-        rows = [" ".join(f"{lane_of.get(a & ~7, '?')}.{a & 7}" for a in got[t].tolist())
-                for t in range(16)]  # fmt: skip
+        rows = [
+            " ".join(f"{lane_of.get(a & ~7, '?')}.{a & 7}" for a in got[t].tolist())
+            for t in range(16)
+        ]
         observed = (
             f"no known semantics matches; lanes 0-15 got (source lane.byte): {'; '.join(rows)}"
         )
@@ -402,10 +410,15 @@ def decode_case(name):
 
 
 def _decode_args(case):
-    arrays = (case.q, jnp.asarray(case.kv), jnp.asarray(case.kv_indices),
-              jnp.asarray(case.kv_indptr))  # fmt: skip
-    static = dict(qlen=case.qlen, k_scale=case.k_scale, v_scale=case.v_scale,
-                  sm_scale=case.sm_scale)  # fmt: skip
+    arrays = (
+        case.q,
+        jnp.asarray(case.kv),
+        jnp.asarray(case.kv_indices),
+        jnp.asarray(case.kv_indptr),
+    )
+    static = dict(
+        qlen=case.qlen, k_scale=case.k_scale, v_scale=case.v_scale, sm_scale=case.sm_scale
+    )
     return arrays, static
 
 
@@ -420,8 +433,9 @@ def run_partials(case, num_splits, impl):
 
 def run_decode(case, num_splits, impl):
     arrays, static = _decode_args(case)
-    fn = jitted(jsm.mla_decode, **static, num_splits=num_splits, return_lse=True,
-                implementation=impl)  # fmt: skip
+    fn = jitted(
+        jsm.mla_decode, **static, num_splits=num_splits, return_lse=True, implementation=impl
+    )
     return fn(*arrays)
 
 
@@ -519,8 +533,15 @@ def test_mla_decode_causal_hidden_nan_key(qlen):
     assert np.all(np.isnan(f64(o_k)[seen])), "a row that sees a NaN key must be NaN"
     full, _, lse_tol, _ = partials_kernel_bound(case, num_splits, o_e, lse_e)
     keep = functools.partial(DE.outside, seen)
-    DE.check(keep(o_k), keep(lse_k), keep(o_e), keep(lse_e), keep(full, 1.0), keep(lse_tol, 1.0),
-             f"q{qlen} hidden NaN vs emu")  # fmt: skip
+    DE.check(
+        keep(o_k),
+        keep(lse_k),
+        keep(o_e),
+        keep(lse_e),
+        keep(full, 1.0),
+        keep(lse_tol, 1.0),
+        f"q{qlen} hidden NaN vs emu",
+    )
 
 
 @pytest.mark.parametrize("n, s, h", [(7, 6, 3), (5, 16, 128)])
@@ -539,12 +560,24 @@ def test_merge_attn_states(n, s, h):
     o_bad[..., 0] = np.where(empty, np.inf, o_bad[..., 0])
     out_k, lse_k = run_merge(o_bad, lse, IMPL)
     out_e, lse_e = run_merge(o_bad, lse, EMU)
-    DE.check(f64(out_k), f64(lse_k), f64(out_e), f64(lse_e),
-             *merge_kernel_bound(o_bad, lse, out_e, lse_e), "merge vs emu")  # fmt: skip
+    DE.check(
+        f64(out_k),
+        f64(lse_k),
+        f64(out_e),
+        f64(lse_e),
+        *merge_kernel_bound(o_bad, lse, out_e, lse_e),
+        "merge vs emu",
+    )
     o_clean = f64(np.where(empty[..., None], 0.0, o))
     ref, ref_lse = O.merge_attn_states(o_clean, lse)
-    DE.check(f64(out_k), f64(lse_k), ref, ref_lse,
-             *DE.merge_bound(o_clean, f64(lse), ref, ref_lse), "merge vs oracle")  # fmt: skip
+    DE.check(
+        f64(out_k),
+        f64(lse_k),
+        ref,
+        ref_lse,
+        *DE.merge_bound(o_clean, f64(lse), ref, ref_lse),
+        "merge vs oracle",
+    )
     assert np.all(f64(out_k)[0] == 0) and np.all(np.isneginf(f64(lse_k)[0]))
     np.testing.assert_array_equal(f64(out_k)[1], f64(o)[1, 0])  # one finite partial: unchanged
     np.testing.assert_array_equal(f64(lse_k)[1], lse[1, 0])
@@ -556,9 +589,15 @@ def merged_oracle_bound(case, num_splits, o_p, lse_p):
     test_emulation_mla_decode.test_partials_then_merge, written inline there)."""
     ref_p, ref_plse, tol_p, lse_tol_p = DE.expected_partials(case, num_splits)
     ref, ref_lse = O.mla_decode(
-        case.q, case.kv_codes, case.kv_indices, case.kv_indptr, case.qlen, case.k_scale,
-        case.v_scale, case.sm_scale,
-    )  # fmt: skip
+        case.q,
+        case.kv_codes,
+        case.kv_indices,
+        case.kv_indptr,
+        case.qlen,
+        case.k_scale,
+        case.v_scale,
+        case.sm_scale,
+    )
     tol_m, lse_tol_m = DE.merge_bound(o_p, lse_p, ref, ref_lse)
     fin = np.isfinite(ref_plse)
     total = np.where(np.isfinite(ref_lse), ref_lse, 0.0)[:, None]
@@ -603,13 +642,24 @@ def test_mla_decode(name):
     out, lse = f64(out), f64(lse)
     DE.check(out, lse, *merged_oracle_bound(case, num_splits, *map(f64, p_k)), f"{name} vs oracle")
     x_out, x_lse = run_merge(*p_k, EMU)
-    DE.check(out, lse, f64(x_out), f64(x_lse), *merge_kernel_bound(*p_k, x_out, x_lse),
-             f"{name}: combine vs emulated combine")  # fmt: skip
+    DE.check(
+        out,
+        lse,
+        f64(x_out),
+        f64(x_lse),
+        *merge_kernel_bound(*p_k, x_out, x_lse),
+        f"{name}: combine vs emulated combine",
+    )
     p_e = run_partials(case, num_splits, EMU)
     dec_e, dec_lse_e = run_decode(case, num_splits, EMU)
-    DE.check(f64(x_out), f64(x_lse), f64(dec_e), f64(dec_lse_e),
-             *decode_vs_emulation_bound(case, num_splits, p_k, p_e),
-             f"{name}: emulated combine of the kernel's partials vs emulated decode")  # fmt: skip
+    DE.check(
+        f64(x_out),
+        f64(x_lse),
+        f64(dec_e),
+        f64(dec_lse_e),
+        *decode_vs_emulation_bound(case, num_splits, p_k, p_e),
+        f"{name}: emulated combine of the kernel's partials vs emulated decode",
+    )
 
 
 # =============================================================================================
@@ -637,8 +687,9 @@ def uq_case(name):
 
 
 def run_uq(case, num_partitions, impl, cache=None, block_tables=None):
-    fn = jitted(jsm.ultraquant_decode, sm_scale=UE.SM, num_partitions=num_partitions,
-                implementation=impl)  # fmt: skip
+    fn = jitted(
+        jsm.ultraquant_decode, sm_scale=UE.SM, num_partitions=num_partitions, implementation=impl
+    )
     out = fn(
         case.q,
         jnp.asarray(case.cache if cache is None else cache),
@@ -655,8 +706,9 @@ def uq_kernel_bound(case, q8, ref: UE.Reference, out_e, num_partitions):
     + 2^-15 (1 + S) max|V|``, ``A = sum_k w_k |V_k|`` (the oracle's weights with the kernel's
     query q8), ``S = sm_scale max_k sum_i |q8_i k_i|`` (rotated), max|V| per request and head."""
     g = case.q.shape[1] // case.cache.shape[2]
-    _, _, st = O.ultraquant_decode(O.uq_unrotate(q8), case.cache, case.block_tables,
-                                   case.seq_lens, UE.SM, stats=True)  # fmt: skip
+    _, _, st = O.ultraquant_decode(
+        O.uq_unrotate(q8), case.cache, case.block_tables, case.seq_lens, UE.SM, stats=True
+    )
     _, vmax, _ = O.stats_atol(st, case.q.shape[:2], heads_per_entry=g)
     s = UE.rotated_score_abs(q8, case)
     p_term = (2 if num_partitions > 1 else 1) * 2.0**-7 * ref.a
@@ -733,8 +785,17 @@ def test_unreached_garbage_is_never_read(op):
         keep = decode_reached(case)
 
         def run(kv):
-            c = C.DecodeCase(case.q, jnp.asarray(kv), kv, case.kv_indices, case.kv_indptr,
-                             case.qlen, case.k_scale, case.v_scale, case.sm_scale)  # fmt: skip
+            c = C.DecodeCase(
+                case.q,
+                jnp.asarray(kv),
+                kv,
+                case.kv_indices,
+                case.kv_indptr,
+                case.qlen,
+                case.k_scale,
+                case.v_scale,
+                case.sm_scale,
+            )
             return run_decode(c, num_splits, IMPL)
     else:
         case, num_partitions = uq_case("g8_bs16_p1_masked_clamped_empty")
@@ -818,8 +879,9 @@ def test_ultraquant_cache_over_4gib():
     first_past = -(-FOUR_GIB // (bs * hk * slot))
     where = _spread(C.rng(52), nb, UQ_BIG_BLOCKS, first_past)
     big_bt = _remap(case.block_tables, where, nb, UQ_BIG_BLOCKS)
-    big = _scatter_into_zeros((UQ_BIG_BLOCKS, bs, hk, slot), jnp.asarray(where),
-                              jnp.asarray(case.cache))  # fmt: skip
+    big = _scatter_into_zeros(
+        (UQ_BIG_BLOCKS, bs, hk, slot), jnp.asarray(where), jnp.asarray(case.cache)
+    )
     assert big.size > FOUR_GIB
     assert np.sum(where[uq_reached(case).any(axis=1)] >= first_past) > 5
 
@@ -856,9 +918,18 @@ def op_call(op, impl):
         args, _ = _decode_args(case)
 
         def fn(q, kv, kv_indices, kv_indptr):
-            return jsm.mla_decode(q, kv, kv_indices, kv_indptr, qlen=2, k_scale=case.k_scale,
-                                  v_scale=case.v_scale, num_splits=3, return_lse=True,
-                                  implementation=impl)  # fmt: skip
+            return jsm.mla_decode(
+                q,
+                kv,
+                kv_indices,
+                kv_indptr,
+                qlen=2,
+                k_scale=case.k_scale,
+                v_scale=case.v_scale,
+                num_splits=3,
+                return_lse=True,
+                implementation=impl,
+            )
 
     else:
         case, num_partitions = uq_case("g6_bs32_p3_idle_partitions")
@@ -866,9 +937,13 @@ def op_call(op, impl):
 
         def fn(q, cache, block_tables, seq_lens):
             return jsm.ultraquant_decode(
-                q, cache, block_tables, seq_lens, num_partitions=num_partitions,
+                q,
+                cache,
+                block_tables,
+                seq_lens,
+                num_partitions=num_partitions,
                 implementation=impl,
-            )  # fmt: skip
+            )
 
     return fn, args
 
@@ -910,12 +985,19 @@ def test_donated_cache_store_then_decode():
 
     def step(cache, k, v, slot_mapping, q, block_tables, seq_lens):
         cache = jsm.ultraquant_store(cache, k, v, slot_mapping)
-        out = jsm.ultraquant_decode(q, cache, block_tables, seq_lens,
-                                    num_partitions=num_partitions, implementation=IMPL)  # fmt: skip
+        out = jsm.ultraquant_decode(
+            q, cache, block_tables, seq_lens, num_partitions=num_partitions, implementation=IMPL
+        )
         return cache, out
 
-    rest = (case.k, case.v, jnp.asarray(case.slot_mapping), case.q,
-            jnp.asarray(case.block_tables), jnp.asarray(case.seq_lens))  # fmt: skip
+    rest = (
+        case.k,
+        case.v,
+        jnp.asarray(case.slot_mapping),
+        case.q,
+        jnp.asarray(case.block_tables),
+        jnp.asarray(case.seq_lens),
+    )
     plain_cache, plain_out = jax.jit(step)(jnp.asarray(garbage), *rest)
     donated = jnp.asarray(garbage)
     cache, out = jax.jit(step, donate_argnums=0)(donated, *rest)

@@ -62,8 +62,15 @@ def test_mla_decode_indptr_clipped(impl, big):
         got, took = _timed(fn, c.q, c.kv, idx, jnp.asarray(np.int32(indptr)))
         assert took < max(10.0, 5 * warm), f"kv_indptr {indptr}: {took:.1f} s vs {warm:.1f} s"
         _same(got, want)  # both clip to [0, 5, 12]
-        ref = O.mla_decode(c.q, c.kv_codes, c.kv_indices, np.int32(indptr), qlen=2,
-                           k_scale=c.k_scale, v_scale=c.v_scale)  # fmt: skip
+        ref = O.mla_decode(
+            c.q,
+            c.kv_codes,
+            c.kv_indices,
+            np.int32(indptr),
+            qlen=2,
+            k_scale=c.k_scale,
+            v_scale=c.v_scale,
+        )
         assert np.all(np.isfinite(np.asarray(got[1])))
         assert np.all(np.isfinite(ref[1]))
     parts = jax.jit(lambda *a: jsm.mla_decode_partials(*a, num_splits=3, **kw))

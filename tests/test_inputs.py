@@ -56,8 +56,9 @@ def test_mla_decode_numpy(impl, jit):
     parts = jsm.mla_decode_partials(
         _np(c.q), _np(c.kv), c.kv_indices, c.kv_indptr, num_splits=2, **kw
     )
-    o, lse = jsm.merge_attn_states(_np(parts[0]), _np(parts[1]), return_lse=True,
-                                   implementation=impl)  # fmt: skip
+    o, lse = jsm.merge_attn_states(
+        _np(parts[0]), _np(parts[1]), return_lse=True, implementation=impl
+    )
     assert o.shape == (4, 2, 512) and lse.shape == (4, 2)
 
 
@@ -69,9 +70,11 @@ def test_ultraquant_numpy(impl, jit):
     want = jsm.ultraquant_decode(
         c.q, jnp.asarray(c.cache), jnp.asarray(c.block_tables), jnp.asarray(c.seq_lens), **kw
     )
-    fn = jax.jit(jsm.ultraquant_decode, static_argnames=("implementation",)) if jit else (
-        jsm.ultraquant_decode
-    )  # fmt: skip
+    fn = (
+        jax.jit(jsm.ultraquant_decode, static_argnames=("implementation",))
+        if jit
+        else (jsm.ultraquant_decode)
+    )
     got = fn(_np(c.q), c.cache, c.block_tables, c.seq_lens, **kw)
     _bits_equal(got, want)
 
@@ -178,8 +181,10 @@ def test_ultraquant_empty(impl, case):
     cache = C.garbage_cache(r, nb, bs, hk)
     bt = np.zeros((b, 2), np.int32)
     seq = np.full((b,), 20, np.int32)
-    for fn in (jsm.ultraquant_decode,
-               jax.jit(jsm.ultraquant_decode, static_argnames=("implementation",))):  # fmt: skip
+    for fn in (
+        jsm.ultraquant_decode,
+        jax.jit(jsm.ultraquant_decode, static_argnames=("implementation",)),
+    ):
         out = fn(q, cache, bt, seq, implementation=impl)
         assert out.shape == (b, hq, 256) and out.dtype == jnp.bfloat16
         assert np.all(np.asarray(out, np.float32) == 0)

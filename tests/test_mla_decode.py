@@ -16,8 +16,9 @@ from tests.pallas_checks import P_ROUNDING
 
 
 def run(case, impl, num_splits=None):
-    out, lse = impls.decode_fn(jsm.mla_decode, impl, case, num_splits=num_splits,
-                               return_lse=True)(*impls.decode_args(case))  # fmt: skip
+    out, lse = impls.decode_fn(jsm.mla_decode, impl, case, num_splits=num_splits, return_lse=True)(
+        *impls.decode_args(case)
+    )
     assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
     assert out.shape == (*case.q.shape[:2], 512) and lse.shape == case.q.shape[:2]
     return out, lse
@@ -29,9 +30,17 @@ def partials(case, impl, num_splits):
 
 def oracle(case, num_splits=None):
     return O.mla_decode(
-        case.q, case.kv_codes, case.kv_indices, case.kv_indptr, case.qlen, case.k_scale,
-        case.v_scale, case.sm_scale, num_splits=num_splits, stats=True,
-    )  # fmt: skip
+        case.q,
+        case.kv_codes,
+        case.kv_indices,
+        case.kv_indptr,
+        case.qlen,
+        case.k_scale,
+        case.v_scale,
+        case.sm_scale,
+        num_splits=num_splits,
+        stats=True,
+    )
 
 
 @impls.each
@@ -71,9 +80,12 @@ def test_decode_masked_indices_and_short_sequences(impl):
 
 @pytest.mark.parametrize(
     "impl, num_splits",
-    [(i, s) for i in impls.available() for s in ((1, 2, 3, 4, 5, 7, 8, 16) if i == "xla" else
-                                                 (1, 3, 16))],
-)  # fmt: skip
+    [
+        (i, s)
+        for i in impls.available()
+        for s in ((1, 2, 3, 4, 5, 7, 8, 16) if i == "xla" else (1, 3, 16))
+    ],
+)
 def test_num_splits_same_answer(impl, num_splits):
     case = C.decode_case(5, seq_lens=(1, 127, 128, 129, 600, 1000), qlen=2, h=2, p_masked=0.05)
     out, lse = run(case, impl, num_splits)
@@ -119,9 +131,12 @@ def test_partials(impl, num_splits, qlen):
 def test_partials_eager(impl):
     case = C.decode_case(8, seq_lens=(3, 300), qlen=1, h=2)
     o_parts, lse_parts = jsm.mla_decode_partials(
-        *impls.decode_args(case), k_scale=case.k_scale, v_scale=case.v_scale, num_splits=3,
+        *impls.decode_args(case),
+        k_scale=case.k_scale,
+        v_scale=case.v_scale,
+        num_splits=3,
         implementation=impl,
-    )  # fmt: skip
+    )
     impls.check_partials(impl, case, 3, o_parts, lse_parts)
     lse_parts = np.asarray(lse_parts)
     # request 0 (3 keys): c = 128, splits 1 and 2 are empty
@@ -138,9 +153,16 @@ def test_tolerance_catches_bf16_k():
     out, lse = run(case, "xla")
     O.check_attention(out, ref, st, lse, ref_lse)
     bad, bad_lse = O.mla_decode(
-        case.q, case.kv_codes, case.kv_indices, case.kv_indptr, case.qlen, case.k_scale,
-        case.v_scale, case.sm_scale, k_transform=O.round_bf16,
-    )  # fmt: skip
+        case.q,
+        case.kv_codes,
+        case.kv_indices,
+        case.kv_indptr,
+        case.qlen,
+        case.k_scale,
+        case.v_scale,
+        case.sm_scale,
+        k_transform=O.round_bf16,
+    )
     with pytest.raises(AssertionError):
         O.check_attention(O.round_bf16(bad), ref, st, bad_lse, ref_lse)
     with pytest.raises(AssertionError):
@@ -197,8 +219,9 @@ def test_merge_return_lse_false_and_large_lse():
     o = jsm.merge_attn_states(o_parts, lse_parts)
     assert not isinstance(o, tuple)
     np.testing.assert_allclose(np.asarray(o), [[[1.0, 2.0]]], rtol=1e-6)
-    o, lse = jsm.merge_attn_states(o_parts, jnp.asarray(np.float32([[[3.0], [3.0]]])),
-                                   return_lse=True)  # fmt: skip
+    o, lse = jsm.merge_attn_states(
+        o_parts, jnp.asarray(np.float32([[[3.0], [3.0]]])), return_lse=True
+    )
     np.testing.assert_allclose(np.asarray(o), [[[2.0, 3.0]]], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(lse), [[3 + np.log(2)]], rtol=1e-6)
 
@@ -209,8 +232,9 @@ def test_merge_ignores_o_of_empty_partials(impl):
     o_parts, lse_parts, inf = _random_partials(11)
     o_bad = np.where(inf[..., None], np.nan, np.asarray(o_parts))
     o_bad[..., 0] = np.where(inf, np.inf, o_bad[..., 0])
-    o, lse = jsm.merge_attn_states(jnp.asarray(o_bad), lse_parts, return_lse=True,
-                                   implementation=impl)  # fmt: skip
+    o, lse = jsm.merge_attn_states(
+        jnp.asarray(o_bad), lse_parts, return_lse=True, implementation=impl
+    )
     ref, ref_lse = O.merge_attn_states(o_parts, lse_parts)
     tol, _ = impls.merge_tolerance(impl, o_parts, lse_parts, ref, ref_lse)
     O.assert_within(o, ref, tol, f"merge [{impl}]")

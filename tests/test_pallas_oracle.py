@@ -17,8 +17,12 @@ from tests.pallas_checks import check_kernel_attention
 
 
 def uq_args(case):
-    return (case.q, jnp.asarray(case.cache), jnp.asarray(case.block_tables),
-            jnp.asarray(case.seq_lens))  # fmt: skip
+    return (
+        case.q,
+        jnp.asarray(case.cache),
+        jnp.asarray(case.block_tables),
+        jnp.asarray(case.seq_lens),
+    )
 
 
 def test_ultraquant_lse():
@@ -28,10 +32,12 @@ def test_ultraquant_lse():
         ultraquant_partials_kernel, sm_scale=1 / 16, num_partitions=1, interpret=True
     )
     o, lse = jax.jit(kernel)(*uq_args(case))
-    ref, ref_lse, st = O.ultraquant_decode(case.q, case.cache, case.block_tables, case.seq_lens,
-                                           stats=True)  # fmt: skip
-    check_kernel_attention(o[:, 0], ref, st, lse[:, 0], ref_lse, heads_per_entry=8,
-                           what="ultraquant pallas lse")  # fmt: skip
+    ref, ref_lse, st = O.ultraquant_decode(
+        case.q, case.cache, case.block_tables, case.seq_lens, stats=True
+    )
+    check_kernel_attention(
+        o[:, 0], ref, st, lse[:, 0], ref_lse, heads_per_entry=8, what="ultraquant pallas lse"
+    )
 
 
 def test_default_choice_is_by_lowering_platform():

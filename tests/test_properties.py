@@ -68,10 +68,17 @@ DQ = {qlen: C.bf16_normal(_R, (B * qlen, H, 576)) for qlen in (1, 2)}
 
 @functools.cache
 def _decode(qlen, num_splits):
-    return jax.jit(functools.partial(
-        jsm.mla_decode, qlen=qlen, num_splits=num_splits, return_lse=True,
-        k_scale=_DC.k_scale, v_scale=_DC.v_scale, implementation="xla",
-    ))  # fmt: skip
+    return jax.jit(
+        functools.partial(
+            jsm.mla_decode,
+            qlen=qlen,
+            num_splits=num_splits,
+            return_lse=True,
+            k_scale=_DC.k_scale,
+            v_scale=_DC.v_scale,
+            implementation="xla",
+        )
+    )
 
 
 @SETTINGS
@@ -88,8 +95,9 @@ def test_mla_decode_random_requests(cuts, end, masked, qlen, num_splits):
     indices[np.asarray(masked, np.int64)] = -1
     q = DQ[qlen]
     out, lse = _decode(qlen, num_splits)(q, _DC.kv, jnp.asarray(indices), jnp.asarray(indptr))
-    ref, ref_lse, stats = O.mla_decode(q, _DC.kv_codes, indices, indptr, qlen, _DC.k_scale,
-                                       _DC.v_scale, stats=True)  # fmt: skip
+    ref, ref_lse, stats = O.mla_decode(
+        q, _DC.kv_codes, indices, indptr, qlen, _DC.k_scale, _DC.v_scale, stats=True
+    )
     O.check_attention(out, ref, stats, lse, ref_lse)
 
 
@@ -103,11 +111,12 @@ _merge = jax.jit(functools.partial(jsm.merge_attn_states, return_lse=True, imple
 @SETTINGS
 @given(
     lse=hnp.arrays(
-        np.float32, (3, 4, 2),
+        np.float32,
+        (3, 4, 2),
         elements=st.one_of(st.just(-np.inf), st.floats(-80, 80, width=32)),
     ),
     o=hnp.arrays(np.float32, (3, 4, 2, 8), elements=st.floats(-100, 100, width=32)),
-)  # fmt: skip
+)
 def test_merge_random(lse, o):
     o = np.where(np.isneginf(lse)[..., None], 0, o).astype(np.float32)
     got, got_lse = _merge(jnp.asarray(o), jnp.asarray(lse))

@@ -74,9 +74,19 @@ def mi355(monkeypatch, tmp_path):
     monkeypatch.setattr(_platform, "rocm_devices", lambda: [MI355])
     monkeypatch.setattr(_platform, "flydsl_available", lambda: True)
     monkeypatch.setattr(ffi, "rocm_library", lambda: "the FFI library")
-    monkeypatch.setattr(ffi, "library_kernels", lambda: frozenset(
-        ["jsm_sparse_mla_h16_l1", "jsm_mla_decode_partials_q1", "jsm_mla_decode_combine",
-         "jsm_ultraquant_decode_g8_bs16", "jsm_ultraquant_reduce"]))  # fmt: skip
+    monkeypatch.setattr(
+        ffi,
+        "library_kernels",
+        lambda: frozenset(
+            [
+                "jsm_sparse_mla_h16_l1",
+                "jsm_mla_decode_partials_q1",
+                "jsm_mla_decode_combine",
+                "jsm_ultraquant_decode_g8_bs16",
+                "jsm_ultraquant_reduce",
+            ]
+        ),
+    )
     monkeypatch.setenv(self_check.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(self_check, "_VERDICTS", {})
     for name, family in self_check.FAMILIES.items():
@@ -150,8 +160,10 @@ def test_a_case_that_raises_fails_with_the_error(monkeypatch):
     monkeypatch.setitem(OPS["sparse_mla"]._IMPLEMENTATIONS, "flydsl", broken)
     result = self_check.run_family("sparse_mla", "flydsl", "dev")
     assert not result.passed and len(result.cases) == 2
-    assert all(c.error == "RuntimeError: UNIMPLEMENTED: kernel jsm_sparse_mla_h16_l1 is not here"
-               for c in result.cases)  # fmt: skip
+    assert all(
+        c.error == "RuntimeError: UNIMPLEMENTED: kernel jsm_sparse_mla_h16_l1 is not here"
+        for c in result.cases
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,8 +252,23 @@ def run_pytest(tmp_path, *args):
         "import pytest\n\n\n@pytest.mark.gfx950\ndef test_on_mi355():\n    pass\n\n\n"
         "def test_anywhere():\n    pass\n"
     )
-    cmd = [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-c", "pyproject.toml",
-           "--rootdir", ".", "-p", "no:cacheprovider", "-q", "-rs", *args, str(test)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "tests.conftest",
+        "-c",
+        "pyproject.toml",
+        "--rootdir",
+        ".",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-rs",
+        *args,
+        str(test),
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 

@@ -134,9 +134,13 @@ def test_random_csr_structures(impl):
 def test_long_rows(impl):
     # a row of 1 key, a row of > 4096 keys, rows of 4095..4097 around a power-of-two tile
     case = C.sparse_case(
-        7, n_q=6, h=2, n_rec=300, max_len=8,
+        7,
+        n_q=6,
+        h=2,
+        n_rec=300,
+        max_len=8,
         long_rows={0: 1, 1: 5000, 2: 4096, 3: 4097, 4: 129},
-    )  # fmt: skip
+    )
     check(impl, case, *run(case, impl))
 
 
@@ -186,8 +190,13 @@ def test_dense_to_csr(impl):
 @impls.each
 def test_return_lse_false(impl):
     case = C.sparse_case(11, n_q=3, h=2)
-    out = jsm.sparse_mla(case.q, jnp.asarray(case.kv), jnp.asarray(case.idx),
-                         jnp.asarray(case.indptr), implementation=impl)  # fmt: skip
+    out = jsm.sparse_mla(
+        case.q,
+        jnp.asarray(case.kv),
+        jnp.asarray(case.idx),
+        jnp.asarray(case.indptr),
+        implementation=impl,
+    )
     assert not isinstance(out, tuple) and out.shape == (3, 2, 512)
     check(impl, case, out, None)
 
@@ -239,7 +248,12 @@ def test_degenerate_shapes(impl):
         out, lse = run(case, impl, jit=False)
         check(impl, case, out, lse)
         assert np.all(np.isneginf(np.asarray(lse)))
-    out, lse = jsm.sparse_mla(q[:0], jnp.asarray(kv), jnp.zeros(0, jnp.int32),
-                              jnp.zeros(1, jnp.int32), return_lse=True,
-                              implementation=impl)  # fmt: skip
+    out, lse = jsm.sparse_mla(
+        q[:0],
+        jnp.asarray(kv),
+        jnp.zeros(0, jnp.int32),
+        jnp.zeros(1, jnp.int32),
+        return_lse=True,
+        implementation=impl,
+    )
     assert out.shape == (0, 2, 512) and lse.shape == (0, 2)

@@ -32,8 +32,9 @@ def test_sparse_mla_vmap_batched_and_shared_kv():
     nnz = max(len(c.idx) for c in cs)
     idx = _stack([np.pad(c.idx, (0, nnz - len(c.idx)), constant_values=5) for c in cs])
     f = functools.partial(sparse_mla, return_lse=True)
-    out, lse = jax.jit(jax.vmap(f))(_stack([c.q for c in cs]), _stack([c.kv for c in cs]), idx,
-                                    _stack([c.indptr for c in cs]))  # fmt: skip
+    out, lse = jax.jit(jax.vmap(f))(
+        _stack([c.q for c in cs]), _stack([c.kv for c in cs]), idx, _stack([c.indptr for c in cs])
+    )
     for i, c in enumerate(cs):
         ref, ref_lse, st = O.sparse_mla(c.q, c.kv, c.idx, c.indptr, None, True)
         O.check_attention(out[i], ref, st, lse[i], ref_lse, what=f"vmap {i}")
@@ -56,7 +57,7 @@ def test_sparse_mla_vmap_sm_scale_and_jit_traced_scale():
             lambda s: sparse_mla(
                 c.q, jnp.asarray(c.kv), jnp.asarray(c.idx), jnp.asarray(c.indptr), sm_scale=s
             )
-        )  # fmt: skip
+        )
     )(scales)
     for i, s in enumerate([0.02, 0.1]):
         ref, _, st = O.sparse_mla(c.q, c.kv, c.idx, c.indptr, float(np.float32(s)), True)
@@ -74,15 +75,24 @@ def test_dense_to_csr_jit_vmap():
 def test_mla_decode_vmap():
     cs = [C.decode_case(s, seq_lens=(3, 150), qlen=2, h=2, n_nan=0) for s in range(2)]
     # same tokens count per case (n_nan=0, same seq_lens) so the caches stack
-    f = functools.partial(mla_decode, qlen=2, num_splits=2, return_lse=True,
-                          k_scale=cs[0].k_scale, v_scale=cs[0].v_scale)  # fmt: skip
+    f = functools.partial(
+        mla_decode,
+        qlen=2,
+        num_splits=2,
+        return_lse=True,
+        k_scale=cs[0].k_scale,
+        v_scale=cs[0].v_scale,
+    )
     out, lse = jax.jit(jax.vmap(f))(
-        _stack([c.q for c in cs]), _stack([c.kv for c in cs]),
-        _stack([c.kv_indices for c in cs]), _stack([c.kv_indptr for c in cs]),
-    )  # fmt: skip
+        _stack([c.q for c in cs]),
+        _stack([c.kv for c in cs]),
+        _stack([c.kv_indices for c in cs]),
+        _stack([c.kv_indptr for c in cs]),
+    )
     for i, c in enumerate(cs):
-        ref, ref_lse, st = O.mla_decode(c.q, c.kv_codes, c.kv_indices, c.kv_indptr, 2,
-                                        c.k_scale, c.v_scale, stats=True)  # fmt: skip
+        ref, ref_lse, st = O.mla_decode(
+            c.q, c.kv_codes, c.kv_indices, c.kv_indptr, 2, c.k_scale, c.v_scale, stats=True
+        )
         O.check_attention(out[i], ref, st, lse[i], ref_lse, what=f"vmap {i}")
 
 
@@ -97,28 +107,38 @@ def test_mla_decode_vmap_scales_shared_kv():
     out = jax.jit(jax.vmap(f))(_stack([c.q, c.q * 2]), ks)
     for i, (qm, k) in enumerate([(1, 0.01), (2, 0.02)]):
         q = O.to_f64(c.q) * qm
-        ref, _, st = O.mla_decode(q, c.kv_codes, c.kv_indices, c.kv_indptr, 1,
-                                  float(np.float32(k)), c.v_scale, stats=True)  # fmt: skip
+        ref, _, st = O.mla_decode(
+            q, c.kv_codes, c.kv_indices, c.kv_indptr, 1, float(np.float32(k)), c.v_scale, stats=True
+        )
         O.check_attention(out[i], ref, st)
 
 
 def test_mla_decode_partials_and_merge_vmap():
     cs = [C.decode_case(s, seq_lens=(130, 300), qlen=1, h=2, n_nan=0) for s in range(2)]
-    f = functools.partial(mla_decode_partials, num_splits=3, k_scale=cs[0].k_scale,
-                          v_scale=cs[0].v_scale)  # fmt: skip
+    f = functools.partial(
+        mla_decode_partials, num_splits=3, k_scale=cs[0].k_scale, v_scale=cs[0].v_scale
+    )
     o_parts, lse_parts = jax.jit(jax.vmap(f))(
-        _stack([c.q for c in cs]), _stack([c.kv for c in cs]),
-        _stack([c.kv_indices for c in cs]), _stack([c.kv_indptr for c in cs]),
-    )  # fmt: skip
+        _stack([c.q for c in cs]),
+        _stack([c.kv for c in cs]),
+        _stack([c.kv_indices for c in cs]),
+        _stack([c.kv_indptr for c in cs]),
+    )
     assert o_parts.shape == (2, 2, 3, 2, 512)
     for i, c in enumerate(cs):
-        ref, ref_lse = O.mla_decode(c.q, c.kv_codes, c.kv_indices, c.kv_indptr, 1, c.k_scale,
-                                    c.v_scale, num_splits=3)  # fmt: skip
-        _, _, st = O.mla_decode(c.q, c.kv_codes, c.kv_indices, c.kv_indptr, 1, c.k_scale,
-                                c.v_scale, stats=True)  # fmt: skip
-        O.check_attention(o_parts[i].reshape(6, 2, 512), ref.reshape(6, 2, 512),
-                          [x for x in st for _ in range(3)], lse_parts[i].reshape(6, 2),
-                          ref_lse.reshape(6, 2))  # fmt: skip
+        ref, ref_lse = O.mla_decode(
+            c.q, c.kv_codes, c.kv_indices, c.kv_indptr, 1, c.k_scale, c.v_scale, num_splits=3
+        )
+        _, _, st = O.mla_decode(
+            c.q, c.kv_codes, c.kv_indices, c.kv_indptr, 1, c.k_scale, c.v_scale, stats=True
+        )
+        O.check_attention(
+            o_parts[i].reshape(6, 2, 512),
+            ref.reshape(6, 2, 512),
+            [x for x in st for _ in range(3)],
+            lse_parts[i].reshape(6, 2),
+            ref_lse.reshape(6, 2),
+        )
     merged = jax.jit(jax.vmap(functools.partial(merge_attn_states, return_lse=True)))
     o, lse = merged(o_parts, lse_parts)
     for i in range(2):
@@ -145,8 +165,9 @@ def test_ultraquant_decode_vmap():
         c.q, jnp.asarray(c.cache), jnp.asarray(c.block_tables), sl
     )
     for i in range(3):
-        ref, _, st = O.ultraquant_decode(c.q, c.cache, c.block_tables, np.asarray(sl[i]),
-                                         stats=True)  # fmt: skip
+        ref, _, st = O.ultraquant_decode(
+            c.q, c.cache, c.block_tables, np.asarray(sl[i]), stats=True
+        )
         O.check_attention(out[i], ref, st, heads_per_entry=8, what=f"vmap seq_lens {i}")
 
 
@@ -178,8 +199,12 @@ def test_writers_jit_vmap():
 
     mc = r.integers(0, 256, (2, 5, 576), dtype=np.uint8)
     f = functools.partial(jsm.concat_and_cache_mla, scale=0.5)
-    got = jax.jit(jax.vmap(f))(jnp.asarray(mc).view(jnp.float8_e4m3fn), jnp.asarray(lat),
-                               jnp.asarray(rope), jnp.asarray(slots))  # fmt: skip
+    got = jax.jit(jax.vmap(f))(
+        jnp.asarray(mc).view(jnp.float8_e4m3fn),
+        jnp.asarray(lat),
+        jnp.asarray(rope),
+        jnp.asarray(slots),
+    )
     want_m = mc.copy()
     codes = O.mla_cache_codes(lat.reshape(6, 512), rope.reshape(6, 64), 0.5).reshape(2, 3, 576)
     for b in range(2):
@@ -197,8 +222,9 @@ def test_ultraquant_store_jit_vmap():
     slots = np.int32([[0, 7, -1], [3, 8, 5]])
     got = jax.jit(jax.vmap(jsm.ultraquant_store))(jnp.asarray(caches), k, v, jnp.asarray(slots))
     for b in range(2):
-        want = O.ultraquant_store(caches[b], np.asarray(k[b], np.float64),
-                                  np.asarray(v[b], np.float64), slots[b])  # fmt: skip
+        want = O.ultraquant_store(
+            caches[b], np.asarray(k[b], np.float64), np.asarray(v[b], np.float64), slots[b]
+        )
         np.testing.assert_array_equal(np.asarray(got[b]), want)
 
 

@@ -19,15 +19,21 @@ from tests import oracle as O
 def _fn(num_partitions, sm_scale, impl):
     return jax.jit(
         functools.partial(
-            jsm.ultraquant_decode, num_partitions=num_partitions, sm_scale=sm_scale,
+            jsm.ultraquant_decode,
+            num_partitions=num_partitions,
+            sm_scale=sm_scale,
             implementation=impl,
         )
-    )  # fmt: skip
+    )
 
 
 def _args(case):
-    return (case.q, jnp.asarray(case.cache), jnp.asarray(case.block_tables),
-            jnp.asarray(case.seq_lens))  # fmt: skip
+    return (
+        case.q,
+        jnp.asarray(case.cache),
+        jnp.asarray(case.block_tables),
+        jnp.asarray(case.seq_lens),
+    )
 
 
 def run(case, impl, num_partitions=None, sm_scale=1 / 16):
@@ -77,8 +83,9 @@ def test_seq_lens_clamped_and_empty(impl):
     # request 0: seq_len 0; request 1: negative; request 2: past the table's capacity (clamped to
     # max_blocks * bs, every table entry is a written block); request 3: normal
     bs, max_blocks = 16, 3
-    case = C.uq_case(9, seq_lens=(0, -5, bs * max_blocks, 20), hk=1, g=8, bs=bs,
-                     max_blocks=max_blocks)  # fmt: skip
+    case = C.uq_case(
+        9, seq_lens=(0, -5, bs * max_blocks, 20), hk=1, g=8, bs=bs, max_blocks=max_blocks
+    )
     case.seq_lens = np.int32([0, -5, 10**6, 20])
     out = run(case, impl)
     check(impl, case, out)
@@ -123,8 +130,9 @@ def test_tolerance_catches_bf16_rotated_q():
     """Meta-test: rotating q in float32 and then rounding the rotated q to bf16 (a plausible
     kernel shortcut) must fail the comparison."""
     case = C.uq_case(14, seq_lens=(64, 150, 90), hk=2, g=8, bs=16)
-    ref, _, st = O.ultraquant_decode(case.q, case.cache, case.block_tables, case.seq_lens,
-                                     stats=True)  # fmt: skip
+    ref, _, st = O.ultraquant_decode(
+        case.q, case.cache, case.block_tables, case.seq_lens, stats=True
+    )
     O.check_attention(run(case, "xla"), ref, st, heads_per_entry=8)
     q_rot = O.uq_rotate_exact(O.to_f64(case.q))
     q_bad = O.uq_unrotate(O.round_bf16(q_rot))  # same scores as a bf16 rotated q

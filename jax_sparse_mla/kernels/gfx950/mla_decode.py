@@ -453,9 +453,12 @@ def build_partials_launcher(qlen: int):
                     if rows[i] >= 0:
                         src = kv_base + fx.Int64(rows[i]) * KV_DIM + fx.Int64(dma_chunk[i])
                         rocdl.global_load_lds(
-                            global_ptr(src), lds_ptr(uniform(dst + 1024 * i)), 16, 0,
+                            global_ptr(src),
+                            lds_ptr(uniform(dst + 1024 * i)),
+                            16,
+                            0,
                             alias_scopes=_dma_scope(),
-                        )  # fmt: skip
+                        )
 
             # Zero both slots (a masked key's slot then holds finite bytes), then block 0's DMA.
             zero4 = Vec.filled(4, 0, fx.Int32)
@@ -484,8 +487,9 @@ def build_partials_launcher(qlen: int):
                 # ---- S^T = K Q^T: lane (row t, group g) gets keys 16w + 4g + r
                 acc = Vec.filled(4, 0.0, fx.Float32)
                 for s in range_constexpr(QK_STEPS):
-                    ka = cat(_load_lds(slot + k_rd[0] + 64 * s, 4),
-                              _load_lds(slot + k_rd[1] + 64 * s, 4))  # fmt: skip
+                    ka = cat(
+                        _load_lds(slot + k_rd[0] + 64 * s, 4), _load_lds(slot + k_rd[1] + 64 * s, 4)
+                    )
                     acc = mfma_scaled(ka, q_ops[s], acc, E8M0_ONE, q_scale_b)
                 sl = []
                 for r in range_constexpr(4):
@@ -583,9 +587,21 @@ def build_partials_launcher(qlen: int):
         groups = (num_heads + (heads_per_cta - 1)) // heads_per_cta
         items = (num_requests * num_splits + 7) // 8
         partials_kernel(
-            Q, KV, IDX, IPTR, OP, LP, num_requests, num_heads, num_splits, n_indices, tokens,
-            k_scale, v_scale, sm_scale,
-        ).launch(grid=(8 * groups * items, 1, 1), block=(THREADS, 1, 1), stream=stream)  # fmt: skip
+            Q,
+            KV,
+            IDX,
+            IPTR,
+            OP,
+            LP,
+            num_requests,
+            num_heads,
+            num_splits,
+            n_indices,
+            tokens,
+            k_scale,
+            v_scale,
+            sm_scale,
+        ).launch(grid=(8 * groups * items, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
     launch.compile_hints = {"waves_per_eu": PARTIALS_WAVES_PER_EU, "fast_fp_math": False}
     return launch

@@ -72,8 +72,23 @@ def _load_fp8(kv_ref, ids, valid):
 _LOADERS = {"ds_mla": _load_ds_mla, "fp8": _load_fp8}
 
 
-def _kernel(indptr_ref, idx_ref, kv_ref, scale_ref, q_ref, o_ref, lse_ref, *, fmt, rows, qlen,
-            heads, block_m, num_splits, split_align):  # fmt: skip
+def _kernel(
+    indptr_ref,
+    idx_ref,
+    kv_ref,
+    scale_ref,
+    q_ref,
+    o_ref,
+    lse_ref,
+    *,
+    fmt,
+    rows,
+    qlen,
+    heads,
+    block_m,
+    num_splits,
+    split_align,
+):
     g, split, mb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     nnz = idx_ref.shape[0]
     start = jnp.clip(indptr_ref[g], 0, nnz)  # indptr entries clipped to [0, nnz]
@@ -109,10 +124,11 @@ def _kernel(indptr_ref, idx_ref, kv_ref, scale_ref, q_ref, o_ref, lse_ref, *, fm
             chunks = [jnp.where(jnp.isnan(c), 0, c) for c in chunks]  # made its row's s NaN
         accs = tuple(
             acc * alpha[:, None]
-            + dot_nn((p if scales is None else p * scales[c][None, :]).astype(jnp.bfloat16),
-                     chunks[c])
+            + dot_nn(
+                (p if scales is None else p * scales[c][None, :]).astype(jnp.bfloat16), chunks[c]
+            )
             for c, acc in enumerate(accs)
-        )  # fmt: skip
+        )
         return m_run, l_run, accs
 
     num_tiles = (jnp.maximum(hi - lo, 0) + BLOCK_K - 1) // BLOCK_K
@@ -130,8 +146,21 @@ def block_m_for(m: int) -> int:
     return min(MAX_BLOCK_M, pow2_at_least(m, 16))
 
 
-def mla_partials(q, kv, idx, indptr, scales, *, fmt: str, qlen: int, heads: int,
-                 num_splits: int, split_align: int, out_dtype, interpret: bool):  # fmt: skip
+def mla_partials(
+    q,
+    kv,
+    idx,
+    indptr,
+    scales,
+    *,
+    fmt: str,
+    qlen: int,
+    heads: int,
+    num_splits: int,
+    split_align: int,
+    out_dtype,
+    interpret: bool,
+):
     """Per-split MLA attention over CSR key lists.
 
     Group g (of G) has query rows q[g] (row ``i * heads + h`` is position i, head h) and the
@@ -162,9 +191,15 @@ def mla_partials(q, kv, idx, indptr, scales, *, fmt: str, qlen: int, heads: int,
     if m_pad != m:
         q = jnp.pad(q, ((0, 0), (0, m_pad - m), (0, 0)))
     kernel = functools.partial(
-        _kernel, fmt=fmt, rows=rows, qlen=qlen, heads=heads, block_m=block_m, num_splits=num_splits,
+        _kernel,
+        fmt=fmt,
+        rows=rows,
+        qlen=qlen,
+        heads=heads,
+        block_m=block_m,
+        num_splits=num_splits,
         split_align=split_align,
-    )  # fmt: skip
+    )
     return call(
         kernel,
         grid=(g, num_splits, m_pad // block_m),

@@ -35,10 +35,19 @@ def sparse_mla_kernel(q, kv, idx, indptr, sm_scale, *, interpret: bool = False):
     splits = choose_splits(n_q * m_blocks, nnz / n_q, MIN_SPLIT_KEYS)
     scales = jnp.stack([jnp.float32(sm_scale), jnp.float32(1.0)])
     o, lse = mla_partials(
-        q, records, idx, indptr, scales, fmt="ds_mla", qlen=1, heads=h, num_splits=splits,
-        split_align=BLOCK_K, out_dtype=jnp.bfloat16 if splits == 1 else jnp.float32,
+        q,
+        records,
+        idx,
+        indptr,
+        scales,
+        fmt="ds_mla",
+        qlen=1,
+        heads=h,
+        num_splits=splits,
+        split_align=BLOCK_K,
+        out_dtype=jnp.bfloat16 if splits == 1 else jnp.float32,
         interpret=interpret,
-    )  # fmt: skip
+    )
     if splits == 1:
         o, lse = o[:, 0], lse[:, 0]
     else:

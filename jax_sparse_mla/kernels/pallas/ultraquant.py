@@ -69,8 +69,20 @@ def _fp4_halves(codes, scale_bytes):
     return to_bf16(codes & 0xF), to_bf16(codes >> 4)
 
 
-def _kernel(bt_ref, seq_ref, cache_ref, scale_ref, q_ref, o_ref, lse_ref, *, block_size,
-            num_blocks, kv_heads, num_parts):  # fmt: skip
+def _kernel(
+    bt_ref,
+    seq_ref,
+    cache_ref,
+    scale_ref,
+    q_ref,
+    o_ref,
+    lse_ref,
+    *,
+    block_size,
+    num_blocks,
+    kv_heads,
+    num_parts,
+):
     b, kh, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     max_blocks = bt_ref.shape[0] // seq_ref.shape[0]
     length = jnp.clip(seq_ref[b], 0, max_blocks * block_size)
@@ -143,8 +155,9 @@ def _q_operand(q, kv_heads: int, rows: int):
     return x.reshape(b, kv_heads, Q_PIECES, rows, HALF, 2).transpose(0, 1, 2, 5, 3, 4)
 
 
-def ultraquant_partials_kernel(q, cache, block_tables, seq_lens, *, sm_scale, num_partitions,
-                               interpret=False):  # fmt: skip
+def ultraquant_partials_kernel(
+    q, cache, block_tables, seq_lens, *, sm_scale, num_partitions, interpret=False
+):
     """Per-partition partials (partition p: tokens [p * c, min((p + 1) * c, seq_len)),
     ``c = 128 * ceil(seq_len / (128 * P))``), in float32.
 
@@ -158,17 +171,20 @@ def ultraquant_partials_kernel(q, cache, block_tables, seq_lens, *, sm_scale, nu
     return o.reshape(b, p, hk * g, UQ_HEAD_DIM), lse[..., :g].reshape(b, p, hk * g)
 
 
-def ultraquant_decode_kernel(q, cache, block_tables, seq_lens, *, sm_scale, num_partitions,
-                             interpret=False):  # fmt: skip
+def ultraquant_decode_kernel(
+    q, cache, block_tables, seq_lens, *, sm_scale, num_partitions, interpret=False
+):
     """UltraQuant decode, partials merged on the GPU: [B, Hq, 256] bfloat16."""
     if q.shape[0] * q.shape[1] == 0 or cache.shape[0] * cache.shape[1] == 0:
         return jnp.zeros(q.shape, jnp.bfloat16)
     o, lse, g = _partials(q, cache, block_tables, seq_lens, sm_scale, num_partitions, interpret)
     b, p, hk, rows = lse.shape
     merged, _ = merge_partials_pallas(
-        o.reshape(b, p, hk * rows, UQ_HEAD_DIM), lse.reshape(b, p, hk * rows),
-        out_dtype=jnp.bfloat16, interpret=interpret,
-    )  # fmt: skip
+        o.reshape(b, p, hk * rows, UQ_HEAD_DIM),
+        lse.reshape(b, p, hk * rows),
+        out_dtype=jnp.bfloat16,
+        interpret=interpret,
+    )
     merged = merged.reshape(b, hk, rows, 2, HALF)[:, :, :g].swapaxes(-1, -2)
     return merged.reshape(q.shape)
 
