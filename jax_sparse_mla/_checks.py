@@ -124,27 +124,38 @@ class DataCheck(NamedTuple):
     report: Callable[..., None]
 
 
-def run_data_checks(*checks: DataCheck) -> None:
-    """Raises the first failing check's DataError (a ValueError).
+def run_data_checks(checks: Sequence[DataCheck], tie: jax.Array | None = None):
+    """Raises the first failing check's DataError (a ValueError); returns ``tie``.
 
     Only the checks' findings (counts, a first bad index and its value) leave the device, never
     the checked arrays. Concrete arguments are checked at once. Under ``jax.jit`` / ``jax.vmap``
     the report runs as a host callback when the computation executes (once per batch element
-    under ``jax.vmap``); a failure stops the call with a ``jax.errors.JaxRuntimeError`` whose
-    message ends with the op's own ValueError message (a compiled computation cannot raise a
-    Python exception type of its own), and nothing is logged to stderr.
+    under ``jax.vmap``), and the returned ``tie`` (pass a small array the op reads, e.g. its
+    indptr) depends on it, so the op runs after its checks; a failure stops the call with a
+    ``jax.errors.JaxRuntimeError`` whose message ends with the op's own ValueError message (a
+    compiled computation cannot raise a Python exception type of its own), and nothing is
+    logged to stderr.
     """
 
     def report(*found):
         for check, values in zip(checks, found, strict=True):
             check.report(*(np.asarray(v) for v in values))
+        return np.bool_(True)
 
     found = [check.found for check in checks]
     if is_concrete(*jax.tree.leaves(found)):
         report(*found)
-    else:
-        _quiet_data_errors()
+        return tie
+    _quiet_data_errors()
+    if tie is None:  # nothing to tie the check to: an effect, never removed
         jax.debug.callback(report, *found)
+        return tie
+    # A pure callback (no runtime token: a failure is this call's alone, not re-raised by later
+    # effects), kept alive by the array the op reads (``ok`` is True whenever it returns).
+    ok = jax.pure_callback(
+        report, jax.ShapeDtypeStruct((), jnp.bool_), *found, vmap_method="sequential"
+    )
+    return jnp.where(ok, tie, jnp.zeros_like(tie))
 
 
 class _DropDataErrors(logging.Filter):

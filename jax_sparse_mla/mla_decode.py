@@ -276,7 +276,7 @@ def _prepare(op, q, kv, kv_indices, kv_indptr, qlen, k_scale, v_scale, sm_scale,
     q, kv, kv_indices, kv_indptr = as_jax(q, kv, kv_indices, kv_indptr)
     if validate:
         checks = _data_checks(kv_indices, kv_indptr, kv.shape[0])
-        kv_indices, kv_indptr = run_data_checks(checks, kv_indices, kv_indptr)
+        kv_indptr = run_data_checks(checks, kv_indptr)
     codes = kv if kv.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(kv, jnp.uint8)
     return (q, codes, kv_indices, kv_indptr), kw
 

@@ -107,7 +107,7 @@ def sparse_mla(
     scale = check_scalar(op, "sm_scale", DEFAULT_SM_SCALE if sm_scale is None else sm_scale)
     q, kv, idx, indptr = as_jax(q, kv, idx, indptr)
     if validate:
-        kv, idx, indptr = run_data_checks(_data_checks(kv, idx, indptr), kv, idx, indptr)
+        indptr = run_data_checks(_data_checks(kv, idx, indptr), indptr)
     if q.size == 0 or kv.size == 0 or idx.size == 0:  # no key anywhere: no kernel launch
         out, lse = no_keys(q.shape[0], q.shape[1])
     else:

@@ -103,7 +103,7 @@ def ultraquant_decode(
     q, cache, block_tables, seq_lens = as_jax(q, cache, block_tables, seq_lens)
     if validate:
         checks = _data_checks(block_tables, seq_lens, cache.shape[0], cache.shape[1])
-        block_tables, seq_lens = run_data_checks(checks, block_tables, seq_lens)
+        seq_lens = run_data_checks(checks, seq_lens)
     if q.size == 0 or cache.size == 0:  # no key anywhere: nothing to compute or launch
         return jnp.zeros(q.shape, jnp.bfloat16)
     return impl(q, cache, block_tables, seq_lens, sm_scale=scale, num_partitions=num_partitions)

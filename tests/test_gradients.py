@@ -80,9 +80,12 @@ def test_sparse_mla_gradient_equals_xla(impl):
     got = grad(q, sm, impl)
     for a, b in zip(got, want, strict=True):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
     # eager, a static sm_scale, and vmap over a batch of queries
-    g_static = jax.grad(lambda x: loss(x, 0.06, impl))(q)
-    assert np.array_equal(np.asarray(g_static, np.float32), np.asarray(want[0], np.float32))
+    def static(name):  # a constant sm_scale may round differently from a traced one (GPU)
+        return np.asarray(jax.grad(lambda x: loss(x, 0.06, name))(q))
+
+    assert static(impl).tobytes() == static("xla").tobytes()
 
     def batched(name):  # the batched gradient's f32 sums may round differently: compare batched
         return np.asarray(jax.vmap(jax.grad(lambda x: loss(x, 0.06, name)))(jnp.stack([q, q])))
