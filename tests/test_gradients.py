@@ -92,8 +92,12 @@ def test_sparse_mla_gradient_equals_xla(impl):
 
     gv = batched(impl)
     assert gv.tobytes() == batched("xla").tobytes() and np.array_equal(gv[0], gv[1])
-    np.testing.assert_allclose(gv[0].astype(np.float32), np.asarray(want[0], np.float32),
-                               rtol=2**-7, atol=2**-7 * float(np.max(np.abs(want[0]))))  # fmt: skip
+    np.testing.assert_allclose(
+        gv[0].astype(np.float32),
+        np.asarray(want[0], np.float32),
+        rtol=2**-7,
+        atol=2**-7 * float(np.max(np.abs(want[0]))),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,10 +124,12 @@ def _decode():
         )
 
     def loss64(q, ks, vs):
-        out, lse = O.mla_decode(q, c.kv_codes, c.kv_indices, c.kv_indptr, qlen=2, k_scale=ks,
-                                v_scale=vs)  # fmt: skip
-        o_p, l_p = O.mla_decode(q, c.kv_codes, c.kv_indices, c.kv_indptr, qlen=2, k_scale=ks,
-                                v_scale=vs, num_splits=2)  # fmt: skip
+        out, lse = O.mla_decode(
+            q, c.kv_codes, c.kv_indices, c.kv_indptr, qlen=2, k_scale=ks, v_scale=vs
+        )
+        o_p, l_p = O.mla_decode(
+            q, c.kv_codes, c.kv_indices, c.kv_indptr, qlen=2, k_scale=ks, v_scale=vs, num_splits=2
+        )
 
         def fin(x):
             return np.where(np.isfinite(x), x, 0)
