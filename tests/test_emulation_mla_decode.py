@@ -54,6 +54,7 @@ import numpy as np
 import pytest
 
 from jax_sparse_mla.emulation import _arith as A
+from jax_sparse_mla.emulation import bounds as B
 from jax_sparse_mla.emulation import mla_decode as E
 from jax_sparse_mla.reference.mla_decode import mla_decode_partials_f32
 from tests import cases as C
@@ -109,24 +110,13 @@ def q_split_error(q_bits: np.ndarray) -> np.ndarray:
 
 
 def split_keys(case, num_splits):
-    """Yields (request, split, position i, codes [n, 576], blocks) for every visible key set."""
-    codes_all = np.asarray(case.kv_codes, np.uint8)
-    idx, indptr = np.asarray(case.kv_indices, np.int64), np.asarray(case.kv_indptr, np.int64)
-    for r in range(len(indptr) - 1):
-        a = int(indptr[r])
-        seq = max(int(indptr[r + 1]) - a, 0)
-        pos = a + np.arange(seq)
-        ok = (pos >= 0) & (pos < len(idx))
-        ids = idx[np.clip(pos, 0, max(len(idx) - 1, 0))] if seq else pos
-        ok &= (ids >= 0) & (ids < len(codes_all))
-        chunk = 128 * -(-seq // (128 * num_splits))
-        for s in range(num_splits):
-            lo, hi = s * chunk, min((s + 1) * chunk, seq)
-            j = np.arange(lo, max(hi, lo))
-            for i in range(case.qlen):
-                keep = j[ok[j] & (j <= seq - case.qlen + i)]
-                codes = O.e4m3_decode(codes_all[ids[keep]]) if keep.size else np.zeros((0, 576))
-                yield r, s, i, codes, -(-(hi - lo) // 128) if hi > lo else 0
+    """Yields (query row, split, codes [n, 576] float64, blocks) for every visible key set (the
+    key sets of ``bounds.decode_split_keys``; ``test_partials`` checks the reference built on
+    them against the oracle's partials)."""
+    codes = np.asarray(case.kv_codes, np.uint8)
+    keys = B.decode_split_keys(case.kv_indices, case.kv_indptr, len(codes), case.qlen, num_splits)
+    for row, s, ids, blocks in keys:
+        yield row, s, O.e4m3_decode(codes[ids]), blocks
 
 
 def expected_partials(case, num_splits):
@@ -139,11 +129,10 @@ def expected_partials(case, num_splits):
     shape = (n_rows, num_splits, h)
     ref, ref_lse = np.zeros((*shape, 512)), np.full(shape, -np.inf)
     tol, lse_tol = np.zeros((*shape, 512)), np.zeros(shape)
-    for r, s, i, codes, blocks in split_keys(case, num_splits):
+    for row, s, codes, blocks in split_keys(case, num_splits):
         n = codes.shape[0]
         if n == 0:
             continue
-        row = r * case.qlen + i
         k, v = codes * ks, codes[:, :512] * vs
         sc = sm * (q[row] @ k.T)  # [H, n]
         smax = sc.max(axis=-1, keepdims=True)

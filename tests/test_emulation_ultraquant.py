@@ -41,6 +41,7 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
+from jax_sparse_mla.emulation import bounds as B
 from jax_sparse_mla.emulation import ultraquant as E
 from jax_sparse_mla.formats import ultraquant_rotate
 from jax_sparse_mla.reference.ultraquant import ultraquant_decode_partials_f32
@@ -59,13 +60,6 @@ BF16_HALF_ULP = 2.0**-8
 def kernel_query(q) -> np.ndarray:
     """q8 [..., 256] rotated dims: exact rotation (H/16), saturating RNE e4m3, float64."""
     return O.e4m3_decode(O.e4m3_encode(O.uq_rotate_exact(O.to_f64(q))))
-
-
-def abs_v_cache(cache) -> np.ndarray:
-    """The cache with every V code's sign bit cleared: the oracle on it gives A = sum w |V|."""
-    c = np.array(cache, np.uint8, copy=True)
-    c[..., 136:264] &= 0x77
-    return c
 
 
 def rotated_score_abs(q8, case, sm_scale=SM) -> np.ndarray:
@@ -104,7 +98,7 @@ def oracle_on(q8, case, sm_scale=SM) -> Reference:
     q_eff = O.uq_unrotate(q8)
     args = (case.block_tables, case.seq_lens, sm_scale)
     ref, lse, st = O.ultraquant_decode(q_eff, case.cache, *args, stats=True)
-    a, _ = O.ultraquant_decode(q_eff, abs_v_cache(case.cache), *args)
+    a, _ = O.ultraquant_decode(q_eff, B.abs_v_cache(case.cache), *args)
     g = q8.shape[1] // case.cache.shape[2]
     n, vmax, s_orig = O.stats_atol(st, ref.shape[:2], heads_per_entry=g)
     score_abs = rotated_score_abs(q8, case, sm_scale) + s_orig
@@ -284,7 +278,7 @@ def test_partials_vs_reference():
         return O.to_f64(o), O.to_f64(lse)
 
     o_ref, lse_ref = reference_on(case.cache)
-    a_ref, _ = reference_on(abs_v_cache(case.cache))
+    a_ref, _ = reference_on(B.abs_v_cache(case.cache))
     o, m, exp_sum = (O.to_f64(x) for x in run_partials(case, num_partitions))
     r = oracle_on(q8, case)  # budgets per (request, head): every partition sees fewer keys
     empty = np.isneginf(lse_ref)

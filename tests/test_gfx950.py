@@ -13,7 +13,7 @@ What is checked, for sparse_mla, mla_decode (partials, combine, both) and ultraq
 
 1. "flydsl" against "gfx950_emulation" (the kernels' own arithmetic in jnp, on the same GPU)
    within the kernel-vs-emulation bound that the emulation module's docstring states for MI355
-   tests (each bound cites its docstring below).
+   tests (``jax_sparse_mla/emulation/bounds.py``, the self-check's bounds too).
 2. "flydsl" against the float64 oracle (``tests/oracle.py``) with the bounds of the emulation
    tests (``tests/test_emulation_*.py``; their helpers are imported, not copied): the bounds
    derive the error of the kernels' arithmetic, which the kernel shares with its emulation.
@@ -33,6 +33,7 @@ mla_decode / its two kernels one after the other) must be bit-identical. Under j
 custom calls run once per batch element (``vmap_method="sequential"``).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -41,6 +42,7 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
+from jax_sparse_mla.emulation import bounds as B
 from jax_sparse_mla.ffi.calls import default_num_partitions, default_num_splits
 from jax_sparse_mla.formats import RECORD_BYTES
 from tests import cases as C
@@ -53,7 +55,6 @@ pytestmark = pytest.mark.gfx950
 
 IMPL = "flydsl"  # the implementation under test
 EMU = "gfx950_emulation"
-EPS = 2.0**-24
 FOUR_GIB = 2**32
 SPARSE_BIG_RECORDS = 6_600_000  # 6.6M records of 656 B = 4.33 GB
 UQ_BIG_BLOCKS = 131_072  # blocks of 64 tokens x 2 heads x 272 B = 4.56 GB
@@ -311,36 +312,13 @@ def run_sparse(case, impl, kv=None, idx=None):
     return f64(out), f64(lse)
 
 
-def sparse_kernel_bound(case, out_e, lse_e):
-    """Kernel vs emulation, as the docstring of ``jax_sparse_mla/emulation/sparse_mla.py``
-    states it for MI355 tests, per output element:
-    ``|out_k - out_e| <= 2^-7 |out_e| + 2^-10 max_k |V_k| + 2^-23 n_keys max|code| / 256
-    + 2^-18 score_abs max|V|`` and ``|lse_k - lse_e| <= 2^-20 (|lse_e| + score_abs) + 2^-20``,
-    with ``score_abs = sm_scale max_k sum |q||k|`` (per row and head here) over the row's
-    unmasked keys."""
-    q = f64(case.q)
-    sm = SE._sm(case)
-    tol = 2.0**-7 * np.abs(out_e)
-    lse_tol = np.zeros(lse_e.shape)
-    for r in range(q.shape[0]):
-        k, v, codes = SE.row_keys(case, r)
-        n = k.shape[0]
-        if n == 0:
-            continue
-        vmax, cmax = np.abs(v).max(), np.abs(codes).max()
-        score_abs = sm * (np.abs(q[r]) @ np.abs(k).T).max(axis=-1)  # [H]
-        tol[r] += (2.0**-10 * vmax + 2.0**-23 * n * cmax / 256 + 2.0**-18 * score_abs * vmax)[
-            :, None
-        ]
-        lse_tol[r] = 2.0**-20 * (np.abs(lse_e[r]) + score_abs) + 2.0**-20
-    return tol, lse_tol
-
-
 def check_sparse(case, out, lse, what):
-    """flydsl's (out, lse) against the emulation (kernel bound) and the oracle (the emulation
-    test's bound, ``SE.expected``)."""
+    """flydsl's (out, lse) against the emulation (the kernel bound of the emulation module's
+    docstring, ``bounds.sparse_mla_bound``) and the oracle (the emulation test's bound,
+    ``SE.expected``)."""
     out_e, lse_e = run_sparse(case, EMU)
-    SE.check(out, lse, out_e, lse_e, *sparse_kernel_bound(case, out_e, lse_e), f"{what} vs emu")
+    tol = B.sparse_mla_bound(case.q, case.kv, case.idx, case.indptr, SE._sm(case), out_e, lse_e)
+    SE.check(out, lse, out_e, lse_e, *tol, f"{what} vs emu")
     SE.check(out, lse, *SE.expected(case), f"{what} vs oracle")
 
 
@@ -448,38 +426,31 @@ def run_merge(o_parts, lse_parts, impl):
 
 def partials_kernel_bound(case, num_splits, o_e, lse_e):
     """Kernel vs emulation per partial element, as the docstring of
-    ``jax_sparse_mla/emulation/mla_decode.py`` states it for MI355 tests, with the float64
-    softmax weights ``p_k`` and values ``V_k`` (code * v_scale) of the split's visible keys:
-
-    * every element (the full bound, all keys): ``2^-7 |o_emu| + 2^-7 sum_k p_k |V_k|
-      + 2^-24 (16 score_abs + 8 sqrt(n) + 8 blocks + 32) max|V|``;
-    * 99% of the elements: ``2^-7 |o_emu| + 2^-16 max|V|``;
-    * LSE: ``2^-22 (|lse| + 8) + 8 2^-24 score_abs``.
+    ``jax_sparse_mla/emulation/mla_decode.py`` states it for MI355 tests: the full bound (all
+    keys) for every element and the LSE bound (``bounds.mla_decode_partials_bound``), and
+    ``2^-7 |o_emu| + 2^-16 max|V|`` (V = code * v_scale of the split's visible keys) for 99% of
+    the elements.
 
     Returns (full, tight, lse_tol, has_keys) over [B * qlen, S, H(, 512)].
     """
-    o_e, lse_e = f64(o_e), f64(lse_e)
-    q = f64(case.q)
-    sm = DE._sm(case)
     ks, vs = float(np.float32(case.k_scale)), float(np.float32(case.v_scale))
-    full, tight = 2.0**-7 * np.abs(o_e), 2.0**-7 * np.abs(o_e)
-    lse_tol, has = np.zeros(lse_e.shape), np.zeros(lse_e.shape, bool)
-    for r, s, i, codes, blocks in DE.split_keys(case, num_splits):
-        n = codes.shape[0]
-        if n == 0:
-            continue
-        row = r * case.qlen + i
-        k, v = codes * ks, codes[:, :512] * vs
-        sc = sm * (q[row] @ k.T)  # [H, n]
-        p = np.exp(sc - sc.max(axis=-1, keepdims=True))
-        p /= p.sum(axis=-1, keepdims=True)
-        vmax = np.abs(v).max()
-        score_abs = sm * (np.abs(q[row]) @ np.abs(k).T).max(axis=-1)  # [H]
-        f32 = EPS * (16 * score_abs + 8 * np.sqrt(n) + 8 * blocks + 32) * vmax
-        full[row, s] += 2.0**-7 * (p @ np.abs(v)) + f32[:, None]
-        tight[row, s] += 2.0**-16 * vmax
-        lse_tol[row, s] = 2.0**-22 * (np.abs(lse_e[row, s]) + 8) + 8 * EPS * score_abs
-        has[row, s] = True
+    full, lse_tol = B.mla_decode_partials_bound(
+        case.q,
+        case.kv_codes,
+        case.kv_indices,
+        case.kv_indptr,
+        qlen=case.qlen,
+        k_scale=ks,
+        v_scale=vs,
+        sm_scale=DE._sm(case),
+        o_e=o_e,
+        lse_e=lse_e,
+    )
+    tight, has = 2.0**-7 * np.abs(f64(o_e)), np.zeros(lse_tol.shape, bool)
+    for row, s, codes, _ in DE.split_keys(case, num_splits):
+        if len(codes):
+            tight[row, s] += 2.0**-16 * vs * np.abs(codes[:, :512]).max()
+            has[row, s] = True
     return full, tight, lse_tol, has
 
 
@@ -493,18 +464,6 @@ def check_partials_vs_emulation(case, num_splits, o_k, lse_k, o_e, lse_e, what):
         assert frac >= 0.99, (
             f"{what} vs emu: only {frac:.4f} of the elements within the tight bound"
         )
-
-
-def merge_kernel_bound(o_parts, lse_parts, out_e, lse_e):
-    """Kernel combine vs its emulation on the same partials, as the docstring of
-    ``jax_sparse_mla/emulation/mla_decode.py`` states it: ``2^-7 |o| + 2^-20 max_s |o_s|``
-    (over the partials with weight) and ``2^-22 (|lse| + 1)``."""
-    o_parts, lse_parts, out_e, lse_e = f64(o_parts), f64(lse_parts), f64(out_e), f64(lse_e)
-    live = np.isfinite(lse_parts)[..., None]
-    o_max = np.max(np.where(live, np.abs(np.nan_to_num(o_parts)), 0.0), axis=1)
-    tol = 2.0**-7 * np.abs(out_e) + 2.0**-20 * o_max
-    lse_tol = 2.0**-22 * (np.abs(np.where(np.isfinite(lse_e), lse_e, 0.0)) + 1)
-    return tol, lse_tol
 
 
 @pytest.mark.parametrize("name", list(DECODE_CASES))
@@ -565,7 +524,7 @@ def test_merge_attn_states(n, s, h):
         f64(lse_k),
         f64(out_e),
         f64(lse_e),
-        *merge_kernel_bound(o_bad, lse, out_e, lse_e),
+        *B.merge_bound(o_bad, lse, out_e, lse_e),
         "merge vs emu",
     )
     o_clean = f64(np.where(empty[..., None], 0.0, o))
@@ -581,30 +540,6 @@ def test_merge_attn_states(n, s, h):
     assert np.all(f64(out_k)[0] == 0) and np.all(np.isneginf(f64(lse_k)[0]))
     np.testing.assert_array_equal(f64(out_k)[1], f64(o)[1, 0])  # one finite partial: unchanged
     np.testing.assert_array_equal(f64(lse_k)[1], lse[1, 0])
-
-
-def merged_oracle_bound(case, num_splits, o_p, lse_p):
-    """The full decode's oracle and bound from merging partials ``o_p, lse_p``: each partial's
-    bound, its lse bound as a weight error, plus the combine's (the bound of
-    test_emulation_mla_decode.test_partials_then_merge, written inline there)."""
-    ref_p, ref_plse, tol_p, lse_tol_p = DE.expected_partials(case, num_splits)
-    ref, ref_lse = O.mla_decode(
-        case.q,
-        case.kv_codes,
-        case.kv_indices,
-        case.kv_indptr,
-        case.qlen,
-        case.k_scale,
-        case.v_scale,
-        case.sm_scale,
-    )
-    tol_m, lse_tol_m = DE.merge_bound(o_p, lse_p, ref, ref_lse)
-    fin = np.isfinite(ref_plse)
-    total = np.where(np.isfinite(ref_lse), ref_lse, 0.0)[:, None]
-    w = np.where(fin, np.exp(np.where(fin, ref_plse, 0.0) - total), 0.0)
-    dl = np.where(fin, lse_tol_p, 0.0)
-    weight = np.sum(w[..., None] * (tol_p + 2 * np.expm1(2 * dl)[..., None] * np.abs(o_p)), 1)
-    return ref, ref_lse, tol_m + (1 + 2.0**-8) * weight, lse_tol_m + dl.max(axis=1)
 
 
 def decode_vs_emulation_bound(case, num_splits, p_k, p_e):
@@ -640,14 +575,14 @@ def test_mla_decode(name):
     assert_same(out, m_out, "mla_decode = merge(partials)")
     assert_same(lse, m_lse, "mla_decode lse = merge(partials) lse")
     out, lse = f64(out), f64(lse)
-    DE.check(out, lse, *merged_oracle_bound(case, num_splits, *map(f64, p_k)), f"{name} vs oracle")
+    DE.check(out, lse, *DE.merged_bound(case, num_splits, *map(f64, p_k)), f"{name} vs oracle")
     x_out, x_lse = run_merge(*p_k, EMU)
     DE.check(
         out,
         lse,
         f64(x_out),
         f64(x_lse),
-        *merge_kernel_bound(*p_k, x_out, x_lse),
+        *B.merge_bound(*p_k, x_out, x_lse),
         f"{name}: combine vs emulated combine",
     )
     p_e = run_partials(case, num_splits, EMU)
@@ -700,28 +635,23 @@ def run_uq(case, num_partitions, impl, cache=None, block_tables=None):
     return out
 
 
-def uq_kernel_bound(case, q8, ref: UE.Reference, out_e, num_partitions):
-    """Kernel vs emulation, as the docstring of ``jax_sparse_mla/emulation/ultraquant.py``
-    states it for MI355 tests, per element: ``2^-7 |out_emu| + (1 + [P > 1]) 2^-7 A
-    + 2^-15 (1 + S) max|V|``, ``A = sum_k w_k |V_k|`` (the oracle's weights with the kernel's
-    query q8), ``S = sm_scale max_k sum_i |q8_i k_i|`` (rotated), max|V| per request and head."""
-    g = case.q.shape[1] // case.cache.shape[2]
-    _, _, st = O.ultraquant_decode(
-        O.uq_unrotate(q8), case.cache, case.block_tables, case.seq_lens, UE.SM, stats=True
-    )
-    _, vmax, _ = O.stats_atol(st, case.q.shape[:2], heads_per_entry=g)
-    s = UE.rotated_score_abs(q8, case)
-    p_term = (2 if num_partitions > 1 else 1) * 2.0**-7 * ref.a
-    return 2.0**-7 * np.abs(f64(out_e)) + p_term + (2.0**-15 * (1 + s) * vmax)[..., None]
-
-
 def check_uq(case, num_partitions, out, what):
-    """flydsl's output against the emulation (kernel bound) and the oracle on the kernel's
-    query (test_emulation_ultraquant's bound, ``UE.check``)."""
-    q8 = UE.kernel_query(case.q)
-    ref = UE.oracle_on(q8, case)
+    """flydsl's output against the emulation (the kernel bound of the emulation module's
+    docstring, ``bounds.ultraquant_bound``) and the oracle on the kernel's query
+    (test_emulation_ultraquant's bound, ``UE.check``)."""
+    ref = UE.oracle_on(UE.kernel_query(case.q), case)
     out_e = run_uq(case, num_partitions, EMU)
-    tol = uq_kernel_bound(case, q8, ref, out_e, num_partitions)
+    a_e = run_uq(case, num_partitions, EMU, cache=B.abs_v_cache(case.cache))
+    tol = B.ultraquant_bound(
+        case.q,
+        case.cache,
+        case.block_tables,
+        case.seq_lens,
+        sm_scale=UE.SM,
+        num_partitions=num_partitions,
+        out_e=out_e,
+        a_e=a_e,
+    )
     O.assert_within(out, f64(out_e), tol, f"{what} vs emu")
     assert np.all(f64(out)[ref.empty] == 0), f"{what}: rows without keys must be 0"
     UE.check(out, ref, num_partitions, what=f"{what} vs oracle")
@@ -785,17 +715,7 @@ def test_unreached_garbage_is_never_read(op):
         keep = decode_reached(case)
 
         def run(kv):
-            c = C.DecodeCase(
-                case.q,
-                jnp.asarray(kv),
-                kv,
-                case.kv_indices,
-                case.kv_indptr,
-                case.qlen,
-                case.k_scale,
-                case.v_scale,
-                case.sm_scale,
-            )
+            c = dataclasses.replace(case, kv=jnp.asarray(kv), kv_codes=kv)
             return run_decode(c, num_splits, IMPL)
     else:
         case, num_partitions = uq_case("g8_bs16_p1_masked_clamped_empty")
