@@ -117,6 +117,10 @@ class SparseCase:
     sm_scale: float | None = None
     meta: dict = field(default_factory=dict)
 
+    def args(self) -> tuple:
+        """(q, kv, idx, indptr) as jax arrays."""
+        return self.q, jnp.asarray(self.kv), jnp.asarray(self.idx), jnp.asarray(self.indptr)
+
 
 def sparse_case(
     seed,
@@ -163,6 +167,10 @@ class DecodeCase:
     v_scale: float
     sm_scale: float | None = None
 
+    def args(self) -> tuple:
+        """(q, kv, kv_indices, kv_indptr) as jax arrays."""
+        return self.q, self.kv, jnp.asarray(self.kv_indices), jnp.asarray(self.kv_indptr)
+
 
 def decode_case(
     seed,
@@ -206,6 +214,21 @@ def decode_case(
     return DecodeCase(q, kv, codes, kv_indices, kv_indptr, qlen, k_scale, v_scale, sm_scale)
 
 
+def decode_oracle(case: DecodeCase, **kw):
+    """``oracle.mla_decode`` on the case (kw: num_splits, stats, k_transform)."""
+    return O.mla_decode(
+        case.q,
+        case.kv_codes,
+        case.kv_indices,
+        case.kv_indptr,
+        case.qlen,
+        case.k_scale,
+        case.v_scale,
+        case.sm_scale,
+        **kw,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # UltraQuant
 # ---------------------------------------------------------------------------------------------
@@ -237,6 +260,11 @@ class UQCase:
     k: jnp.ndarray = None
     v: jnp.ndarray = None
     slot_mapping: np.ndarray = None
+
+    def args(self) -> tuple:
+        """(q, cache, block_tables, seq_lens) as jax arrays."""
+        arrays = (self.cache, self.block_tables, self.seq_lens)
+        return self.q, *map(jnp.asarray, arrays)
 
 
 def uq_case(

@@ -29,6 +29,7 @@ import pytest
 import jax_sparse_mla as jsm
 from jax_sparse_mla._platform import cuda_is_hopper, is_gfx950
 from jax_sparse_mla.ffi.calls import default_num_partitions, default_num_splits
+from tests import cases as C
 from tests import oracle as O
 from tests import test_emulation_mla_decode as DE
 from tests import test_emulation_sparse_mla as SE
@@ -129,27 +130,8 @@ def decode_fn(fn, impl: str, case, **options):
     return lambda *args: f(*args, **{k: jnp.float32(v) for k, v in scales.items()})
 
 
-def decode_args(case):
-    return case.q, case.kv, jnp.asarray(case.kv_indices), jnp.asarray(case.kv_indptr)
-
-
 def decode_partials(impl: str, case, num_splits: int):
-    return decode_fn(jsm.mla_decode_partials, impl, case, num_splits=num_splits)(*decode_args(case))
-
-
-def _decode_oracle(case, num_splits=None):
-    return O.mla_decode(
-        case.q,
-        case.kv_codes,
-        case.kv_indices,
-        case.kv_indptr,
-        case.qlen,
-        case.k_scale,
-        case.v_scale,
-        case.sm_scale,
-        num_splits=num_splits,
-        stats=True,
-    )
+    return decode_fn(jsm.mla_decode_partials, impl, case, num_splits=num_splits)(*case.args())
 
 
 def check_decode(impl: str, case, out, lse, num_splits=None, what="mla_decode") -> None:
@@ -161,7 +143,7 @@ def check_decode(impl: str, case, out, lse, num_splits=None, what="mla_decode") 
         o_p, lse_p = decode_partials(impl, case, s)
         DE.check(_f64(out), _f64(lse), *DE.merged_bound(case, s, _f64(o_p), _f64(lse_p)), what)
         return
-    ref, ref_lse, st = _decode_oracle(case)
+    ref, ref_lse, st = C.decode_oracle(case, stats=True)
     _attention_check(impl)(out, ref, st, lse, ref_lse, what=what)
 
 
@@ -176,7 +158,7 @@ def check_partials(impl: str, case, num_splits: int, o_parts, lse_parts, what="p
         exp = DE.expected_partials(case, num_splits)
         DE.check(_f64(o_parts), _f64(lse_parts), *exp, what)
         return
-    ref, ref_lse, st = _decode_oracle(case, num_splits)
+    ref, ref_lse, st = C.decode_oracle(case, num_splits=num_splits, stats=True)
     _attention_check(impl)(
         _f64(o_parts).reshape(n * num_splits, h, 512),
         ref.reshape(n * num_splits, h, 512),

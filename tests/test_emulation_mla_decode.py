@@ -253,18 +253,7 @@ def test_partials(name):
     kw, num_splits, with_xla = PARTIAL_CASES[name]
     case = C.decode_case(**kw, as_uint8=True)
     ref, ref_lse, tol, lse_tol = expected_partials(case, num_splits)
-    oref, oref_lse, st = O.mla_decode(
-        case.q,
-        case.kv_codes,
-        case.kv_indices,
-        case.kv_indptr,
-        case.qlen,
-        case.k_scale,
-        case.v_scale,
-        case.sm_scale,
-        num_splits=num_splits,
-        stats=True,
-    )
+    oref, oref_lse, st = C.decode_oracle(case, num_splits=num_splits, stats=True)
     np.testing.assert_allclose(oref, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max(initial=1))
     np.testing.assert_allclose(oref_lse, ref_lse, rtol=1e-9, atol=1e-9)
     out, lse = run_partials(case, num_splits)
@@ -410,16 +399,7 @@ def merged_bound(case, num_splits, o_p, lse_p):
     Returns ref [n, H, 512], ref_lse [n, H], tol, lse_tol.
     """
     _, ref_plse, tol_p, lse_tol_p = expected_partials(case, num_splits)
-    ref, ref_lse = O.mla_decode(
-        case.q,
-        case.kv_codes,
-        case.kv_indices,
-        case.kv_indptr,
-        case.qlen,
-        case.k_scale,
-        case.v_scale,
-        case.sm_scale,
-    )
+    ref, ref_lse = C.decode_oracle(case)
     tol_m, lse_tol_m = merge_bound(o_p, lse_p, ref, ref_lse)
     fin = np.isfinite(ref_plse)
     total = np.where(np.isfinite(ref_lse), ref_lse, 0.0)[:, None]

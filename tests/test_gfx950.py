@@ -388,16 +388,10 @@ def decode_case(name):
 
 
 def _decode_args(case):
-    arrays = (
-        case.q,
-        jnp.asarray(case.kv),
-        jnp.asarray(case.kv_indices),
-        jnp.asarray(case.kv_indptr),
-    )
     static = dict(
         qlen=case.qlen, k_scale=case.k_scale, v_scale=case.v_scale, sm_scale=case.sm_scale
     )
-    return arrays, static
+    return case.args(), static
 
 
 def run_partials(case, num_splits, impl):
@@ -828,7 +822,7 @@ def op_call(op, impl):
     """(fn, array arguments) of a small call of ``op`` with ``implementation=impl``."""
     if op == "sparse_mla":
         case = C.sparse_case(31, n_q=4, h=20, n_rec=300, max_len=300)
-        args = (case.q, jnp.asarray(case.kv), jnp.asarray(case.idx), jnp.asarray(case.indptr))
+        args = case.args()
 
         def fn(q, kv, idx, indptr):
             return jsm.sparse_mla(q, kv, idx, indptr, return_lse=True, implementation=impl)
@@ -853,7 +847,7 @@ def op_call(op, impl):
 
     else:
         case, num_partitions = uq_case("g6_bs32_p3_idle_partitions")
-        args = (case.q, *map(jnp.asarray, (case.cache, case.block_tables, case.seq_lens)))
+        args = case.args()
 
         def fn(q, cache, block_tables, seq_lens):
             return jsm.ultraquant_decode(

@@ -17,7 +17,7 @@ from tests.pallas_checks import P_ROUNDING
 
 def run(case, impl, num_splits=None):
     out, lse = impls.decode_fn(jsm.mla_decode, impl, case, num_splits=num_splits, return_lse=True)(
-        *impls.decode_args(case)
+        *case.args()
     )
     assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
     assert out.shape == (*case.q.shape[:2], 512) and lse.shape == case.q.shape[:2]
@@ -29,18 +29,7 @@ def partials(case, impl, num_splits):
 
 
 def oracle(case, num_splits=None):
-    return O.mla_decode(
-        case.q,
-        case.kv_codes,
-        case.kv_indices,
-        case.kv_indptr,
-        case.qlen,
-        case.k_scale,
-        case.v_scale,
-        case.sm_scale,
-        num_splits=num_splits,
-        stats=True,
-    )
+    return C.decode_oracle(case, num_splits=num_splits, stats=True)
 
 
 @impls.each
@@ -61,9 +50,9 @@ def test_decode_heads(impl, h):
 def test_default_is_the_platform_choice():
     """implementation=None (eager, default scales) runs what it picks on this machine."""
     case = C.decode_case(3, seq_lens=(9, 40), qlen=1, h=2, k_scale=1.0, v_scale=1.0)
-    out, lse = jsm.mla_decode(*impls.decode_args(case), return_lse=True)
+    out, lse = jsm.mla_decode(*case.args(), return_lse=True)
     impls.check_decode(impls.default(), case, out, lse)
-    out2 = jsm.mla_decode(*impls.decode_args(case), implementation=impls.default())
+    out2 = jsm.mla_decode(*case.args(), implementation=impls.default())
     np.testing.assert_array_equal(np.asarray(out2, np.float32), np.asarray(out, np.float32))
 
 
@@ -131,7 +120,7 @@ def test_partials(impl, num_splits, qlen):
 def test_partials_eager(impl):
     case = C.decode_case(8, seq_lens=(3, 300), qlen=1, h=2)
     o_parts, lse_parts = jsm.mla_decode_partials(
-        *impls.decode_args(case),
+        *case.args(),
         k_scale=case.k_scale,
         v_scale=case.v_scale,
         num_splits=3,
@@ -152,17 +141,7 @@ def test_tolerance_catches_bf16_k():
     ref, ref_lse, st = oracle(case)
     out, lse = run(case, "xla")
     O.check_attention(out, ref, st, lse, ref_lse)
-    bad, bad_lse = O.mla_decode(
-        case.q,
-        case.kv_codes,
-        case.kv_indices,
-        case.kv_indptr,
-        case.qlen,
-        case.k_scale,
-        case.v_scale,
-        case.sm_scale,
-        k_transform=O.round_bf16,
-    )
+    bad, bad_lse = C.decode_oracle(case, k_transform=O.round_bf16)
     with pytest.raises(AssertionError):
         O.check_attention(O.round_bf16(bad), ref, st, bad_lse, ref_lse)
     with pytest.raises(AssertionError):

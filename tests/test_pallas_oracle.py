@@ -6,7 +6,6 @@ implementation, with the tolerance of ``tests/pallas_checks.py`` (bf16 P)."""
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import jax_sparse_mla as jsm
@@ -16,22 +15,13 @@ from tests import oracle as O
 from tests.pallas_checks import check_kernel_attention
 
 
-def uq_args(case):
-    return (
-        case.q,
-        jnp.asarray(case.cache),
-        jnp.asarray(case.block_tables),
-        jnp.asarray(case.seq_lens),
-    )
-
-
 def test_ultraquant_lse():
     # the op returns no lse: check the kernel's own (scores from the 3-piece rotated q)
     case = C.uq_case(55, seq_lens=(1, 40, 200), hk=2, g=8, bs=16, q_scale=4.0)
     kernel = functools.partial(
         ultraquant_partials_kernel, sm_scale=1 / 16, num_partitions=1, interpret=True
     )
-    o, lse = jax.jit(kernel)(*uq_args(case))
+    o, lse = jax.jit(kernel)(*case.args())
     ref, ref_lse, st = O.ultraquant_decode(
         case.q, case.cache, case.block_tables, case.seq_lens, stats=True
     )
@@ -42,7 +32,7 @@ def test_ultraquant_lse():
 
 def test_default_choice_is_by_lowering_platform():
     case = C.sparse_case(60, n_q=2, h=4, n_rec=20)
-    args = (case.q, jnp.asarray(case.kv), jnp.asarray(case.idx), jnp.asarray(case.indptr))
+    args = case.args()
     f = jax.jit(jsm.sparse_mla)
     triton = "__gpu$xla.gpu.triton"
     assert triton not in f.trace(*args).lower(lowering_platforms=("cpu",)).as_text()

@@ -30,7 +30,7 @@ def run(case, impl, jit=True):
         f = functools.partial(
             jsm.sparse_mla, sm_scale=case.sm_scale, return_lse=True, implementation=impl
         )
-    out, lse = f(case.q, jnp.asarray(case.kv), jnp.asarray(case.idx), jnp.asarray(case.indptr))
+    out, lse = f(*case.args())
     assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
     assert out.shape == (*case.q.shape[:2], 512) and lse.shape == case.q.shape[:2]
     return out, lse

@@ -27,17 +27,8 @@ def _fn(num_partitions, sm_scale, impl):
     )
 
 
-def _args(case):
-    return (
-        case.q,
-        jnp.asarray(case.cache),
-        jnp.asarray(case.block_tables),
-        jnp.asarray(case.seq_lens),
-    )
-
-
 def run(case, impl, num_partitions=None, sm_scale=1 / 16):
-    out = _fn(num_partitions, sm_scale, impl)(*_args(case))
+    out = _fn(num_partitions, sm_scale, impl)(*case.args())
     assert out.dtype == jnp.bfloat16 and out.shape == case.q.shape
     return out
 
@@ -72,9 +63,9 @@ def test_num_partitions_same_answer(impl, num_partitions):
 def test_default_is_the_platform_choice():
     """implementation=None (eager) runs what it picks on this machine (impls.default())."""
     case = C.uq_case(8, seq_lens=(5, 33), hk=1, g=8, bs=16)
-    out = jsm.ultraquant_decode(*_args(case))
+    out = jsm.ultraquant_decode(*case.args())
     check(impls.default(), case, out)
-    out2 = jsm.ultraquant_decode(*_args(case), implementation=impls.default())
+    out2 = jsm.ultraquant_decode(*case.args(), implementation=impls.default())
     np.testing.assert_array_equal(np.asarray(out2, np.float32), np.asarray(out, np.float32))
 
 
