@@ -8,12 +8,15 @@ available, ``"xla"`` is the exact jax-native implementation that runs everywhere
 - ``ultraquant_decode``: GQA decode over a 4-bit UltraQuant paged cache.
 
 Record writers and readers live in ``jax_sparse_mla.formats`` and are re-exported here.
-``selfcheck()`` checks the gfx950 kernels on an MI355 against their emulation (``self_check``).
+``checked(fn)`` makes the ops' ``validate=True`` checks inside ``fn`` (jitted or not) raise
+their ``DataError`` (a ValueError), under ``jax.jit`` too. ``selfcheck()`` checks the gfx950
+kernels on an MI355 against their emulation (``self_check``).
 """
 
 from importlib import metadata as _metadata
 from pathlib import Path as _Path
 
+from jax_sparse_mla._checks import DataError, checked
 from jax_sparse_mla.ffi import rocm_library
 from jax_sparse_mla.formats import (
     concat_and_cache_ds_mla,
@@ -54,6 +57,8 @@ __version__ = _version()
 rocm_library()  # registers the gfx950 kernels' custom call targets for platform "ROCM"
 
 __all__ = [
+    "DataError",
+    "checked",
     "concat_and_cache_ds_mla",
     "concat_and_cache_mla",
     "dense_to_csr",

@@ -1,8 +1,9 @@
-"""Trace-time argument checks shared by every public function.
+"""Argument checks shared by every public function.
 
-Each check raises ``TypeError`` (wrong dtype) or ``ValueError`` (wrong rank or shape) with a
-message that names the function, the argument and what was expected. They only look at
-static shapes and dtypes, so they work on tracers under ``jax.jit`` and ``jax.vmap``.
+The trace-time checks raise ``TypeError`` (wrong dtype) or ``ValueError`` (wrong rank or shape)
+with a message that names the function, the argument and what was expected. They only look at
+static shapes and dtypes, so they work on tracers under ``jax.jit`` and ``jax.vmap``. The data
+checks (``DataCheck``, ``run_data_checks``, ``checked``) look at values, where the data lives.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 
 def _dtype_names(dtypes: Sequence[np.dtype]) -> str:
@@ -113,38 +115,60 @@ def is_concrete(*xs) -> bool:
 
 
 class DataError(ValueError):
-    """A data-dependent check failed (``validate=True`` or a ``validate_*`` function)."""
+    """A data-dependent check failed (``validate=True``, a ``validate_*`` function, or an op's
+    check under ``checked``)."""
 
 
 class DataCheck(NamedTuple):
-    """One data-dependent check: ``found``, a few scalars computed in jnp where the data lives,
-    and ``report(*found)`` (numpy scalars in), which raises DataError when they show a problem."""
+    """One data-dependent condition, computed in jnp where the data lives: ``failed`` (a bool
+    scalar) and ``message``, a ``str.format`` template filled with ``args`` (int or float
+    scalars: a count, a first bad index, its value). Only ``failed`` and ``args`` leave the
+    device."""
 
-    found: tuple[jax.Array, ...]
-    report: Callable[..., None]
+    failed: jax.Array
+    message: str
+    args: tuple[jax.Array, ...] = ()
+
+
+class _Message(str):
+    """A DataCheck's template as handed to ``checkify.check``: marks the failure as the op's."""
+
+
+_CHECKIFY = jax.make_user_context(False)  # True while ``checked`` traces (a jit cache key)
+
+
+def literal(text: str) -> str:
+    """``text`` as a literal part of a DataCheck message template (braces escaped)."""
+    return text.replace("{", "{{").replace("}", "}}")
 
 
 def run_data_checks(checks: Sequence[DataCheck], tie: jax.Array | None = None):
     """Raises the first failing check's DataError (a ValueError); returns ``tie``.
 
     Only the checks' findings (counts, a first bad index and its value) leave the device, never
-    the checked arrays. Concrete arguments are checked at once. Under ``jax.jit`` / ``jax.vmap``
-    the report runs as a host callback when the computation executes (once per batch element
-    under ``jax.vmap``), and the returned ``tie`` (pass a small array the op reads, e.g. its
-    indptr) depends on it, so the op runs after its checks; a failure stops the call with a
-    ``jax.errors.JaxRuntimeError`` whose message ends with the op's own ValueError message (a
-    compiled computation cannot raise a Python exception type of its own), and nothing is
-    logged to stderr.
+    the checked arrays. Concrete arguments are checked at once. Traced inside ``checked`` the
+    checks become ``checkify.check``s and ``checked`` raises the DataError after the call.
+    Otherwise, under ``jax.jit`` / ``jax.vmap``, the report runs as a host callback when the
+    computation executes (once per batch element under ``jax.vmap``), and the returned ``tie``
+    (pass a small array the op reads, e.g. its indptr) depends on it, so the op runs after its
+    checks; a failure stops the call with a ``jax.errors.JaxRuntimeError`` whose message ends
+    with the op's own ValueError message (a compiled computation cannot raise a Python
+    exception type of its own), and nothing is logged to stderr.
     """
 
     def report(*found):
-        for check, values in zip(checks, found, strict=True):
-            check.report(*(np.asarray(v) for v in values))
+        for check, (failed, args) in zip(checks, found, strict=True):
+            if failed:
+                raise DataError(_format(check.message, args))
         return np.bool_(True)
 
-    found = [check.found for check in checks]
+    found = [(check.failed, check.args) for check in checks]
     if is_concrete(*jax.tree.leaves(found)):
         report(*found)
+        return tie
+    if _CHECKIFY.value:
+        for check in checks:
+            checkify.check(~check.failed, _Message(check.message), *check.args)
         return tie
     _quiet_data_errors()
     if tie is None:  # nothing to tie the check to: an effect, never removed
@@ -156,6 +180,38 @@ def run_data_checks(checks: Sequence[DataCheck], tie: jax.Array | None = None):
         report, jax.ShapeDtypeStruct((), jnp.bool_), *found, vmap_method="sequential"
     )
     return jnp.where(ok, tie, jnp.zeros_like(tie))
+
+
+def _format(message: str, args) -> str:
+    return message.format(*(np.asarray(a) for a in args))
+
+
+def checked(fn: Callable) -> Callable:
+    """``fn`` whose ops' data checks (``validate=True``, ``validate_*``) raise their DataError.
+
+    ``checked(fn)(*args)`` traces ``fn`` (which may be or call ``jax.jit`` functions) under
+    ``jax.experimental.checkify.checkify`` with the ops' checks as ``checkify.check``s: they
+    run where the data lives and only their findings reach the host, at the end of the call;
+    the first failing one raises the op's DataError (a ValueError) with the op's message,
+    naming the kv row or index, with nothing on stderr. Other ``checkify.check``s in ``fn``
+    raise checkify's error. A ``jax.jit`` function traced outside ``checked`` is traced again
+    inside it (the mode is part of jit's cache key), and the other way round. Call ``checked``
+    outside ``jax.jit`` (the result is concrete: it waits for the findings).
+    """
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with _CHECKIFY(True):
+            error, out = checkify.checkify(fn)(*args, **kwargs)
+        if not is_concrete(*jax.tree.leaves(error)):
+            raise TypeError("checked: call it outside jax.jit (it raises on the host)")
+        failure = error.get_exception()
+        if isinstance(getattr(failure, "fmt_string", None), _Message):  # one of the ops' checks
+            raise DataError(_format(failure.fmt_string, failure.args)) from None
+        error.throw()
+        return out
+
+    return call
 
 
 class _DropDataErrors(logging.Filter):
@@ -179,32 +235,29 @@ def first_true(bad: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.sum(flat, dtype=jnp.int32), jnp.argmax(flat).astype(jnp.int32)
 
 
-def csr_check(op: str, indices_name: str, indptr_name: str, nnz: int, indptr) -> DataCheck:
+def csr_check(op: str, indices_name: str, indptr_name: str, nnz: int, indptr) -> list[DataCheck]:
     """CSR structure: ``indptr`` starts >= 0, never decreases, and ends at ``nnz``."""
+    ptr = literal(indptr_name)
     if indptr.shape[0] > 1:
         _, r = first_true(indptr[1:] < indptr[:-1])
         decreasing = jnp.any(indptr[1:] < indptr[:-1])
-        at = jnp.stack([jnp.where(decreasing, r, -1), indptr[r + 1], indptr[r]])
     else:
-        at = jnp.full((3,), -1, jnp.int32)
-    found = (jnp.stack([indptr[0], indptr[-1]]), at)
-
-    def report(ends, at):
-        first, last = int(ends[0]), int(ends[1])
-        if first < 0:
-            raise DataError(f"{op}: {indptr_name}[0] must be >= 0, got {first}")
-        r = int(at[0])
-        if r >= 0:
-            raise DataError(
-                f"{op}: {indptr_name} must be non-decreasing, but {indptr_name}[{r + 1}] = "
-                f"{int(at[1])} < {indptr_name}[{r}] = {int(at[2])}"
-            )
-        if last != nnz:
-            raise DataError(
-                f"{op}: {indptr_name}[-1] must equal len({indices_name}) = {nnz}, got {last}"
-            )
-
-    return DataCheck(found, report)
+        r, decreasing = jnp.int32(0), jnp.bool_(False)
+    at = (r + 1, indptr[jnp.minimum(r + 1, indptr.shape[0] - 1)], r, indptr[r])
+    return [
+        DataCheck(indptr[0] < 0, f"{literal(op)}: {ptr}[0] must be >= 0, got {{}}", (indptr[0],)),
+        DataCheck(
+            decreasing,
+            f"{literal(op)}: {ptr} must be non-decreasing, but {ptr}[{{}}] = {{}} < "
+            f"{ptr}[{{}}] = {{}}",
+            at,
+        ),
+        DataCheck(
+            indptr[-1] != nnz,
+            f"{literal(op)}: {ptr}[-1] must equal len({literal(indices_name)}) = {nnz}, got {{}}",
+            (indptr[-1],),
+        ),
+    ]
 
 
 def range_check(op: str, name: str, values, upper: int, what: str, *, allow=None) -> DataCheck:
@@ -214,15 +267,10 @@ def range_check(op: str, name: str, values, upper: int, what: str, *, allow=None
         bad &= values != allow
     count, first = first_true(bad)
     value = values.reshape(-1)[first] if values.size else jnp.int32(0)
-    shape = values.shape
-
-    def report(count, first, value):
-        if count:
-            pos = ", ".join(str(int(i)) for i in np.unravel_index(int(first), shape))
-            pad = f" or {allow}" if allow is not None else ""
-            raise DataError(
-                f"{op}: {name}[{pos}] = {int(value)} is outside [0, {upper}){pad} ({what}); "
-                f"{int(count)} such entr{'y' if count == 1 else 'ies'}"
-            )
-
-    return DataCheck((count, first, value), report)
+    pos = jnp.unravel_index(first, values.shape) if values.size else (first,) * values.ndim
+    pad = f" or {allow}" if allow is not None else ""
+    message = (
+        f"{literal(op)}: {literal(name)}[{', '.join(['{}'] * values.ndim)}] = {{}} is outside "
+        f"[0, {upper}){pad} ({literal(what)}); failing entries: {{}} of {values.size}"
+    )
+    return DataCheck(count > 0, message, (*pos, value, count))

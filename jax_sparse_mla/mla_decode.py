@@ -310,7 +310,7 @@ def validate_mla_decode(q, kv, kv_indices, kv_indptr, *, qlen: int = 1) -> None:
 def _data_checks(kv_indices: jax.Array, kv_indptr: jax.Array, tokens: int) -> list[DataCheck]:
     op = "mla_decode"
     return [
-        csr_check(op, "kv_indices", "kv_indptr", kv_indices.shape[0], kv_indptr),
+        *csr_check(op, "kv_indices", "kv_indptr", kv_indices.shape[0], kv_indptr),
         range_check(op, "kv_indices", kv_indices, tokens, f"kv has {tokens} tokens"),
     ]
 

@@ -8,7 +8,6 @@ import numpy as np
 
 from jax_sparse_mla._checks import (
     DataCheck,
-    DataError,
     as_jax,
     check_array,
     check_scalar,
@@ -143,7 +142,7 @@ def _data_checks(kv: jax.Array, idx: jax.Array, indptr: jax.Array) -> list[DataC
     ok = (idx >= 0) & (idx < rows)
     referenced = jnp.zeros((rows,), bool).at[jnp.where(ok, idx, rows)].set(True, mode="drop")
     return [
-        csr_check(op, "idx", "indptr", idx.shape[0], indptr),
+        *csr_check(op, "idx", "indptr", idx.shape[0], indptr),
         range_check(op, "idx", idx, rows, f"kv has {rows} rows; -1 marks padding", allow=-1),
         *_scale_checks(op, "kv row", records, referenced, "in the rows idx references"),
     ]
@@ -176,19 +175,16 @@ def _scale_checks(op: str, name: str, records, referenced, among: str) -> list[D
 
     def check(bad, problem: str) -> DataCheck:
         count, first = first_true(used & bad)
-        found = (count, first, bits.reshape(-1)[first] if bits.size else jnp.int32(0))
-
-        def report(count, first, value_bits):
-            if count:
-                *row, j = (int(i) for i in np.unravel_index(int(first), (*lead, 4)))
-                where = str(row[0]) if len(row) == 1 else str(tuple(row))
-                value = np.int32(value_bits).view(np.float32)
-                raise DataError(
-                    f"{op}: {name} {where} scale {j} (latent dims {128 * j}..{128 * j + 127}) "
-                    f"is {value!r}{problem} ({int(count)} such scale(s) {among})"
-                )
-
-        return DataCheck(found, report)
+        *row, j = jnp.unravel_index(first, bits.shape) if bits.size else (first,) * bits.ndim
+        value_bits = bits.reshape(-1)[first] if bits.size else jnp.int32(0)
+        value = jax.lax.bitcast_convert_type(value_bits, jnp.float32)
+        where = ", ".join(["{}"] * len(row))
+        where = where if len(row) == 1 else f"({where})"
+        message = (
+            f"{op}: {name} {where} scale {{}} (latent dims {{}}..{{}}) is {{}}{problem} "
+            f"({{}} such scale(s) {among})"
+        )
+        return DataCheck(count > 0, message, (*row, j, 128 * j, 128 * j + 127, value, count))
 
     return [
         check(~pow2, ", not a positive power of two; fp8_ds_mla scales are 2^k"),
