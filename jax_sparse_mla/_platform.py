@@ -17,18 +17,21 @@ from collections.abc import Callable
 import jax
 
 from jax_sparse_mla import ffi
+from jax_sparse_mla._vma import vary_like
 
 
 def by_platform(default: Callable, **per_platform: Callable) -> Callable:
     """``fn(*arrays, **options)`` that runs ``per_platform[p]`` when lowered for platform ``p``
     (e.g. ``cuda=...``) and ``default`` elsewhere (``jax.lax.platform_dependent``: a lowering
-    holds only its own platform's branch). Every branch must return the same shapes."""
+    holds only its own platform's branch). Every branch must return the same shapes; under
+    ``jax.shard_map`` each output varies over the axes any argument varies over."""
 
     def run(*args, **options):
-        branches = {p: functools.partial(f, **options) for p, f in per_platform.items()}
-        return jax.lax.platform_dependent(
-            *args, default=functools.partial(default, **options), **branches
-        )
+        def branch(f):
+            return lambda *xs: vary_like(f(*xs, **options), *xs, options)
+
+        branches = {p: branch(f) for p, f in per_platform.items()}
+        return jax.lax.platform_dependent(*args, default=branch(default), **branches)
 
     return run
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sparse_mla import _platform, ffi
+from jax_sparse_mla._vma import vary_like
 from jax_sparse_mla.formats import LATENT_DIM, RECORD_BYTES, UQ_HEAD_DIM
 from jax_sparse_mla.kernels.gfx950.configs import MLA_DECODE_QLENS as KERNEL_QLENS
 from jax_sparse_mla.kernels.gfx950.configs import ULTRAQUANT_BLOCK_SIZES as KERNEL_BLOCK_SIZES
@@ -43,7 +44,10 @@ def _call(target: str, results, *args, **attrs):
                 f"kernel ({len(ffi.library_kernels())} kernels linked); build the kernels and "
                 f"relink: {ffi.BUILD_COMMAND}"
             )
-    return jax.ffi.ffi_call(target, results, vmap_method="sequential")(*args, **attrs)
+    # jax.shard_map: the arguments must vary alike; the results vary as they do
+    args = vary_like(args, *args)
+    outs = jax.ffi.ffi_call(target, results, vmap_method="sequential")(*args, **attrs)
+    return vary_like(outs, *args)
 
 
 def _static(x) -> float | None:

@@ -11,6 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_sparse_mla._platform import by_platform
+from jax_sparse_mla._vma import out_struct, vary_like, varying_axes
 
 # Programs to aim for when splitting work: two resident programs on each of the H200's 132 SMs.
 TARGET_PROGRAMS = 264
@@ -42,17 +43,32 @@ def call(
     in_specs=pl.no_block_spec,
     out_specs=pl.no_block_spec,
 ):
-    """``pl.pallas_call`` with Triton launch parameters; refs without a spec are whole arrays."""
-    return pl.pallas_call(
-        kernel,
-        grid=grid,
-        out_shape=out_shape,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=name,
-    )
+    """``pl.pallas_call`` with Triton launch parameters; refs without a spec are whole arrays.
+
+    Each output varies over the mesh axes its inputs vary over (``jax.shard_map``).
+    """
+
+    def pallas(shapes):
+        return pl.pallas_call(
+            kernel,
+            grid=grid,
+            out_shape=shapes,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            interpret=interpret,
+            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+            name=name,
+        )
+
+    def run(*args):
+        shapes = jax.tree.map(lambda s: out_struct(s.shape, s.dtype, *args), out_shape)
+        if interpret and varying_axes(*args):
+            return jax.pure_callback(
+                jax.jit(pallas(out_shape)), shapes, *args, vmap_method="sequential"
+            )
+        return pallas(shapes)(*vary_like(args, *args))
+
+    return run
 
 
 def widen_offsets(x):

@@ -1,0 +1,40 @@
+"""Varying manual axes: what ``jax.shard_map`` (default ``check_vma=True``) needs of the ops.
+
+Inside ``shard_map`` every value carries the set of mesh axes it varies over (an input sharded
+over ``"x"`` varies over ``"x"``; a constant varies over none). A loop carry must keep its type
+across iterations, so a carry initialised from constants must start as varying as what the loop
+body mixes into it (``vary_like``); a Pallas ``out_shape`` must state it (``out_struct``).
+Outside ``shard_map`` every set is empty and both are no-ops.
+
+jax 0.10.2 and 0.11 spell it the same way (``jax.typeof(x).manual_axis_type.varying``,
+``ShapeDtypeStruct(..., manual_axis_type=)``, ``jax.lax.pcast(..., to="varying")``); the
+spelling lives only here.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import ManualAxisType
+
+
+def varying_axes(*xs) -> frozenset[str]:
+    """The mesh axes any leaf of ``xs`` (arrays, tracers, Python or NumPy scalars) varies over."""
+    return frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in jax.tree.leaves(xs)))
+
+
+def vary_like(tree, *like):
+    """``tree`` with every leaf cast to vary over (at least) the axes ``like`` varies over."""
+    axes = varying_axes(*like)
+
+    def cast(x):
+        missing = axes - varying_axes(x)
+        return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
+def out_struct(shape, dtype, *like) -> jax.ShapeDtypeStruct:
+    """``ShapeDtypeStruct(shape, dtype)`` of a kernel output computed from ``like``: it varies
+    over the mesh axes ``like`` varies over."""
+    mat = ManualAxisType(varying=varying_axes(*like))
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, manual_axis_type=mat)
