@@ -194,8 +194,9 @@ def mla_decode(
       implementation: None (the Pallas kernel on Hopper GPUs, "xla" elsewhere), "xla",
         "pallas" (compiled on CUDA, Pallas interpret mode elsewhere), "flydsl" or
         "gfx950_emulation" (the gfx950 kernels' own arithmetic in jnp, every platform).
-      validate: run ``validate_mla_decode``'s data checks (ValueError on concrete inputs;
-        under ``jax.jit`` a ``jax.errors.JaxRuntimeError`` with the same message).
+      validate: run ``validate_mla_decode``'s data checks (ValueError on concrete inputs or
+        inside ``checked``; otherwise under ``jax.jit`` a ``jax.errors.JaxRuntimeError`` with
+        the same message).
     Returns:
       out [B * qlen, H, 512] bfloat16, and with ``return_lse`` also lse [B * qlen, H] float32.
     """

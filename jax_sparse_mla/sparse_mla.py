@@ -96,7 +96,8 @@ def sparse_mla(
         every platform).
       validate: check the data-dependent preconditions (see ``validate_sparse_mla``); raises
         ValueError on concrete inputs; under ``jax.jit`` a failure stops the call with a
-        ``jax.errors.JaxRuntimeError`` carrying the same message.
+        ``jax.errors.JaxRuntimeError`` carrying the same message, or inside ``checked`` raises
+        the ValueError itself.
     Returns:
       out [n_q, H, 512] bfloat16, and with ``return_lse`` also lse [n_q, H] float32.
     """

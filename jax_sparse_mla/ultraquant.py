@@ -91,7 +91,8 @@ def ultraquant_decode(
         "pallas" (compiled on CUDA, Pallas interpret mode elsewhere), "flydsl" or
         "gfx950_emulation" (the gfx950 kernels' own arithmetic in jnp, every platform).
       validate: run ``validate_ultraquant_decode``'s data checks (ValueError on concrete
-        inputs; under ``jax.jit`` a ``jax.errors.JaxRuntimeError`` with the same message).
+        inputs or inside ``checked``; otherwise under ``jax.jit`` a
+        ``jax.errors.JaxRuntimeError`` with the same message).
     Returns:
       [B, Hq, 256] bfloat16.
     """
