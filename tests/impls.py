@@ -118,6 +118,13 @@ def decode_splits(impl: str, case, num_splits: int | None) -> int:
     return 1
 
 
+@functools.cache
+def jitted(fn, **static):
+    """``jax.jit(fn)`` with static keyword arguments, one per set of them (so the suites share
+    compiled shapes)."""
+    return jax.jit(functools.partial(fn, **static))
+
+
 def decode_fn(fn, impl: str, case, **options):
     """``fn`` (mla_decode or mla_decode_partials) for ``case`` (tests/cases.DecodeCase) jitted,
     as a function of (q, kv, kv_indices, kv_indptr). k_scale / v_scale are traced 0-d arrays,
@@ -125,8 +132,8 @@ def decode_fn(fn, impl: str, case, **options):
     scales = dict(k_scale=case.k_scale, v_scale=case.v_scale)
     kw = dict(qlen=case.qlen, sm_scale=case.sm_scale, implementation=impl, **options)
     if impl == "flydsl":
-        return jax.jit(functools.partial(fn, **kw, **scales))
-    f = jax.jit(functools.partial(fn, **kw))
+        return jitted(fn, **kw, **scales)
+    f = jitted(fn, **kw)
     return lambda *args: f(*args, **{k: jnp.float32(v) for k, v in scales.items()})
 
 

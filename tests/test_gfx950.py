@@ -50,6 +50,7 @@ from tests import oracle as O
 from tests import test_emulation_mla_decode as DE
 from tests import test_emulation_sparse_mla as SE
 from tests import test_emulation_ultraquant as UE
+from tests.impls import jitted
 
 pytestmark = pytest.mark.gfx950
 
@@ -58,12 +59,6 @@ EMU = "gfx950_emulation"
 FOUR_GIB = 2**32
 SPARSE_BIG_RECORDS = 6_600_000  # 6.6M records of 656 B = 4.33 GB
 UQ_BIG_BLOCKS = 131_072  # blocks of 64 tokens x 2 heads x 272 B = 4.56 GB
-
-
-@functools.cache
-def jitted(fn, **static):
-    """``jax.jit(fn)`` with static keyword arguments (compiled once per shape)."""
-    return jax.jit(functools.partial(fn, **static))
 
 
 def f64(x) -> np.ndarray:

@@ -3,7 +3,6 @@ tolerance."""
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,18 +13,11 @@ from tests import impls
 from tests import oracle as O
 
 
-@functools.cache
-def _jitted(sm_scale, implementation):
-    return jax.jit(
-        functools.partial(
-            jsm.sparse_mla, sm_scale=sm_scale, return_lse=True, implementation=implementation
-        )
-    )
-
-
 def run(case, impl, jit=True):
     if jit:
-        f = _jitted(case.sm_scale, impl)
+        f = impls.jitted(
+            jsm.sparse_mla, sm_scale=case.sm_scale, return_lse=True, implementation=impl
+        )
     else:
         f = functools.partial(
             jsm.sparse_mla, sm_scale=case.sm_scale, return_lse=True, implementation=impl

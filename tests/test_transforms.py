@@ -1,67 +1,71 @@
-"""Every op under jax.jit and jax.vmap (results checked against the oracle / unbatched calls).
+"""Every op under jax.jit, jax.vmap and buffer donation, on every implementation
+(tests/impls.py): each batch element against the oracle with that implementation's tolerance.
 
-The ops run their exact implementation ("xla"): the oracle checks use its tolerances, and
-implementation=None would pick the Pallas kernels on a Hopper GPU (their transforms are tested
-in test_pallas_*.py).
+Scales passed as traced values (a vmapped sm_scale / k_scale) run on every implementation but
+"flydsl", whose kernels take the scales as compile-time attributes. Under jax.vmap the "flydsl"
+custom calls run once per batch element (``vmap_method="sequential"``); test_gfx950.py checks
+that those runs equal a loop of unbatched calls bit for bit.
 """
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jax_sparse_mla as jsm
 from tests import cases as C
+from tests import impls
 from tests import oracle as O
-
-sparse_mla = functools.partial(jsm.sparse_mla, implementation="xla")
-mla_decode = functools.partial(jsm.mla_decode, implementation="xla")
-mla_decode_partials = functools.partial(jsm.mla_decode_partials, implementation="xla")
-merge_attn_states = functools.partial(jsm.merge_attn_states, implementation="xla")
-ultraquant_decode = functools.partial(jsm.ultraquant_decode, implementation="xla")
 
 
 def _stack(xs):
     return jnp.stack([jnp.asarray(x) for x in xs])
 
 
-def test_sparse_mla_vmap_batched_and_shared_kv():
+def _static_scales_only(impl):
+    if impl == "flydsl":
+        pytest.skip("the flydsl kernels take static scales (compile-time attributes)")
+
+
+# ---------------------------------------------------------------------------------------------
+# sparse_mla
+# ---------------------------------------------------------------------------------------------
+
+
+@impls.each
+def test_sparse_mla_vmap_batched_and_shared_kv(impl):
     cs = [C.sparse_case(s, n_q=4, h=2, n_rec=20, n_nan=4, max_len=12) for s in range(3)]
     # pad every case's idx to the same length (extra entries sit past indptr[-1]: unreached)
     nnz = max(len(c.idx) for c in cs)
     idx = _stack([np.pad(c.idx, (0, nnz - len(c.idx)), constant_values=5) for c in cs])
-    f = functools.partial(sparse_mla, return_lse=True)
-    out, lse = jax.jit(jax.vmap(f))(
-        _stack([c.q for c in cs]), _stack([c.kv for c in cs]), idx, _stack([c.indptr for c in cs])
-    )
+    qs, indptrs = _stack([c.q for c in cs]), _stack([c.indptr for c in cs])
+    f = functools.partial(jsm.sparse_mla, return_lse=True, implementation=impl)
+    out, lse = jax.jit(jax.vmap(f))(qs, _stack([c.kv for c in cs]), idx, indptrs)
     for i, c in enumerate(cs):
-        ref, ref_lse, st = O.sparse_mla(c.q, c.kv, c.idx, c.indptr, None, True)
-        O.check_attention(out[i], ref, st, lse[i], ref_lse, what=f"vmap {i}")
+        impls.check_sparse(impl, c, out[i], lse[i], f"vmap {i}")
     # kv shared (in_axes None), q / idx / indptr batched; a NaN-free kv, since the other cases'
     # valid entries may reach rows that are NaN garbage in cs[0].kv
     kv = C.make_records(C.rng(99), len(cs[0].kv))
-    out = jax.vmap(sparse_mla, in_axes=(0, None, 0, 0))(
-        _stack([c.q for c in cs]), jnp.asarray(kv), idx, _stack([c.indptr for c in cs])
+    out = jax.vmap(functools.partial(f, return_lse=False), in_axes=(0, None, 0, 0))(
+        qs, jnp.asarray(kv), idx, indptrs
     )
     for i, c in enumerate(cs):
-        ref, _, st = O.sparse_mla(c.q, kv, c.idx, c.indptr, None, True)
-        O.check_attention(out[i], ref, st, what=f"vmap shared kv {i}")
+        impls.check_sparse(impl, dataclasses.replace(c, kv=kv), out[i], what=f"shared kv {i}")
 
 
-def test_sparse_mla_vmap_sm_scale_and_jit_traced_scale():
+@impls.each
+def test_sparse_mla_vmap_traced_sm_scale(impl):
+    _static_scales_only(impl)
     c = C.sparse_case(5, n_q=3, h=2, n_rec=20)
     scales = jnp.float32([0.02, 0.1])
-    out = jax.jit(
-        jax.vmap(
-            lambda s: sparse_mla(
-                c.q, jnp.asarray(c.kv), jnp.asarray(c.idx), jnp.asarray(c.indptr), sm_scale=s
-            )
-        )
-    )(scales)
-    for i, s in enumerate([0.02, 0.1]):
-        ref, _, st = O.sparse_mla(c.q, c.kv, c.idx, c.indptr, float(np.float32(s)), True)
-        O.check_attention(out[i], ref, st)
+    f = functools.partial(jsm.sparse_mla, return_lse=True, implementation=impl)
+    out, lse = jax.jit(jax.vmap(lambda s: f(*c.args(), sm_scale=s)))(scales)
+    for i, s in enumerate(np.asarray(scales)):
+        case = dataclasses.replace(c, sm_scale=float(s))
+        impls.check_sparse(impl, case, out[i], lse[i], f"sm_scale {s}")
 
 
 def test_dense_to_csr_jit_vmap():
@@ -72,103 +76,92 @@ def test_dense_to_csr_jit_vmap():
     np.testing.assert_array_equal(np.asarray(indptr), np.tile(np.arange(5) * 5, (3, 1)))
 
 
-def test_mla_decode_vmap():
+# ---------------------------------------------------------------------------------------------
+# mla_decode, mla_decode_partials, merge_attn_states
+# ---------------------------------------------------------------------------------------------
+
+
+def _decode_batch(cs):
+    """The cases' (q, kv, kv_indices, kv_indptr), each stacked on a new leading axis."""
+    return [_stack(x) for x in zip(*(c.args() for c in cs), strict=True)]
+
+
+@impls.each
+def test_mla_decode_vmap(impl):
+    # same token count per case (n_nan=0, same seq_lens) so the caches stack
     cs = [C.decode_case(s, seq_lens=(3, 150), qlen=2, h=2, n_nan=0) for s in range(2)]
-    # same tokens count per case (n_nan=0, same seq_lens) so the caches stack
     f = functools.partial(
-        mla_decode,
+        jsm.mla_decode,
         qlen=2,
         num_splits=2,
         return_lse=True,
         k_scale=cs[0].k_scale,
         v_scale=cs[0].v_scale,
+        implementation=impl,
     )
-    out, lse = jax.jit(jax.vmap(f))(
-        _stack([c.q for c in cs]),
-        _stack([c.kv for c in cs]),
-        _stack([c.kv_indices for c in cs]),
-        _stack([c.kv_indptr for c in cs]),
-    )
+    out, lse = jax.jit(jax.vmap(f))(*_decode_batch(cs))
     for i, c in enumerate(cs):
-        ref, ref_lse, st = O.mla_decode(
-            c.q, c.kv_codes, c.kv_indices, c.kv_indptr, 2, c.k_scale, c.v_scale, stats=True
-        )
-        O.check_attention(out[i], ref, st, lse[i], ref_lse, what=f"vmap {i}")
+        impls.check_decode(impl, c, out[i], lse[i], num_splits=2, what=f"vmap {i}")
 
 
-def test_mla_decode_vmap_scales_shared_kv():
+@impls.each
+def test_mla_decode_vmap_traced_k_scale_shared_kv(impl):
+    _static_scales_only(impl)
     c = C.decode_case(3, seq_lens=(40, 9), qlen=1, h=2)
-    ks = jnp.float32([0.01, 0.02])
-
-    def f(q, k):
-        idx, ptr = jnp.asarray(c.kv_indices), jnp.asarray(c.kv_indptr)
-        return mla_decode(q, c.kv, idx, ptr, k_scale=k, v_scale=c.v_scale)
-
-    out = jax.jit(jax.vmap(f))(_stack([c.q, c.q * 2]), ks)
-    for i, (qm, k) in enumerate([(1, 0.01), (2, 0.02)]):
-        q = O.to_f64(c.q) * qm
-        ref, _, st = O.mla_decode(
-            q, c.kv_codes, c.kv_indices, c.kv_indptr, 1, float(np.float32(k)), c.v_scale, stats=True
-        )
-        O.check_attention(out[i], ref, st)
+    q, kv, idx, indptr = c.args()
+    k_scales = jnp.float32([0.01, 0.02])
+    f = functools.partial(jsm.mla_decode, v_scale=c.v_scale, return_lse=True, implementation=impl)
+    out, lse = jax.jit(jax.vmap(lambda q, k: f(q, kv, idx, indptr, k_scale=k)))(
+        _stack([q, q * 2]), k_scales
+    )
+    for i, k in enumerate(np.asarray(k_scales)):
+        case = dataclasses.replace(c, q=q * (i + 1), k_scale=float(k))  # q * 2 is exact
+        impls.check_decode(impl, case, out[i], lse[i], what=f"k_scale {k}")
 
 
-def test_mla_decode_partials_and_merge_vmap():
+@impls.each
+def test_mla_decode_partials_and_merge_vmap(impl):
     cs = [C.decode_case(s, seq_lens=(130, 300), qlen=1, h=2, n_nan=0) for s in range(2)]
     f = functools.partial(
-        mla_decode_partials, num_splits=3, k_scale=cs[0].k_scale, v_scale=cs[0].v_scale
+        jsm.mla_decode_partials,
+        num_splits=3,
+        k_scale=cs[0].k_scale,
+        v_scale=cs[0].v_scale,
+        implementation=impl,
     )
-    o_parts, lse_parts = jax.jit(jax.vmap(f))(
-        _stack([c.q for c in cs]),
-        _stack([c.kv for c in cs]),
-        _stack([c.kv_indices for c in cs]),
-        _stack([c.kv_indptr for c in cs]),
-    )
+    o_parts, lse_parts = jax.jit(jax.vmap(f))(*_decode_batch(cs))
     assert o_parts.shape == (2, 2, 3, 2, 512)
     for i, c in enumerate(cs):
-        ref, ref_lse = O.mla_decode(
-            c.q, c.kv_codes, c.kv_indices, c.kv_indptr, 1, c.k_scale, c.v_scale, num_splits=3
-        )
-        _, _, st = O.mla_decode(
-            c.q, c.kv_codes, c.kv_indices, c.kv_indptr, 1, c.k_scale, c.v_scale, stats=True
-        )
-        O.check_attention(
-            o_parts[i].reshape(6, 2, 512),
-            ref.reshape(6, 2, 512),
-            [x for x in st for _ in range(3)],
-            lse_parts[i].reshape(6, 2),
-            ref_lse.reshape(6, 2),
-        )
-    merged = jax.jit(jax.vmap(functools.partial(merge_attn_states, return_lse=True)))
-    o, lse = merged(o_parts, lse_parts)
+        impls.check_partials(impl, c, 3, o_parts[i], lse_parts[i], f"vmap {i}")
+    merge = functools.partial(jsm.merge_attn_states, return_lse=True, implementation=impl)
+    o, lse = jax.jit(jax.vmap(merge))(o_parts, lse_parts)
     for i in range(2):
-        o1, lse1 = merge_attn_states(o_parts[i], lse_parts[i], return_lse=True)
         ref, ref_lse = O.merge_attn_states(o_parts[i], lse_parts[i])
-        assert np.all(np.abs(O.to_f64(o[i]) - ref) <= 2.0**-8 * np.abs(ref) + 1e-6)
-        np.testing.assert_allclose(np.asarray(lse[i]), ref_lse, rtol=1e-6)
-        np.testing.assert_allclose(np.asarray(lse1), ref_lse, rtol=1e-6)
+        tol, lse_tol = impls.merge_tolerance(impl, o_parts[i], lse_parts[i], ref, ref_lse)
+        O.assert_within(o[i], ref, tol, f"merge vmap {i} [{impl}]")
+        assert np.all(np.abs(np.asarray(lse[i]) - ref_lse) <= lse_tol), f"merge lse {i}"
 
 
-def test_ultraquant_decode_vmap():
+# ---------------------------------------------------------------------------------------------
+# ultraquant_decode, and the writers (no implementation choice)
+# ---------------------------------------------------------------------------------------------
+
+
+@impls.each
+def test_ultraquant_decode_vmap(impl):
     c = C.uq_case(4, seq_lens=(10, 40), hk=1, g=8, bs=16)
-    qs = _stack([c.q, c.q * 0.5, -c.q])
-    f = functools.partial(ultraquant_decode, num_partitions=2)
-    out = jax.jit(jax.vmap(f, in_axes=(0, None, None, None)))(
-        qs, jnp.asarray(c.cache), jnp.asarray(c.block_tables), jnp.asarray(c.seq_lens)
-    )
-    for i in range(3):
-        ref, _, st = O.ultraquant_decode(qs[i], c.cache, c.block_tables, c.seq_lens, stats=True)
-        O.check_attention(out[i], ref, st, heads_per_entry=8, what=f"vmap {i}")
-    # batched seq_lens
-    sl = jnp.asarray(np.int32([[10, 40], [0, 17], [7, 1]]))  # within the written tokens
-    out = jax.jit(jax.vmap(ultraquant_decode, in_axes=(None, None, None, 0)))(
-        c.q, jnp.asarray(c.cache), jnp.asarray(c.block_tables), sl
-    )
-    for i in range(3):
-        ref, _, st = O.ultraquant_decode(
-            c.q, c.cache, c.block_tables, np.asarray(sl[i]), stats=True
-        )
-        O.check_attention(out[i], ref, st, heads_per_entry=8, what=f"vmap seq_lens {i}")
+    q, cache, tables, seq_lens = c.args()
+    f = functools.partial(jsm.ultraquant_decode, num_partitions=2, implementation=impl)
+    qs = [q, q * 0.5, -q]  # exact in bf16
+    out = jax.jit(jax.vmap(f, in_axes=(0, None, None, None)))(_stack(qs), cache, tables, seq_lens)
+    for i, qi in enumerate(qs):
+        impls.check_uq(impl, dataclasses.replace(c, q=qi), out[i], num_partitions=2)
+    # batched seq_lens, within the written tokens
+    lens = np.int32([[10, 40], [0, 17], [7, 1]])
+    out = jax.jit(jax.vmap(f, in_axes=(None, None, None, 0)))(q, cache, tables, jnp.asarray(lens))
+    for i, sl in enumerate(lens):
+        case = dataclasses.replace(c, seq_lens=sl)
+        impls.check_uq(impl, case, out[i], num_partitions=2, what=f"seq_lens {sl}")
 
 
 def test_writers_jit_vmap():
@@ -238,3 +231,29 @@ def test_jit_donated_cache():
     want = O.pack_fp8_ds_mla(np.ones((1, 512)), np.ones((1, 64)))
     np.testing.assert_array_equal(np.asarray(out)[2], want[0])
     assert np.all(np.asarray(out)[[0, 1, 3]] == 0)
+
+
+@impls.each
+def test_donated_cache_store_then_decode(impl):
+    """A jitted step that writes tokens with ultraquant_store into a donated cache and decodes
+    equals the same step without donation (cache and output: the same program but for the
+    buffer aliasing), and its output is within the implementation's bound."""
+    case = C.uq_case(61, seq_lens=(5, 40, 0), hk=2, g=8, bs=16)
+    garbage = C.garbage_cache(C.rng(0), *case.cache.shape)
+
+    def step(cache, k, v, slot_mapping, q, block_tables, seq_lens):
+        cache = jsm.ultraquant_store(cache, k, v, slot_mapping)
+        out = jsm.ultraquant_decode(
+            q, cache, block_tables, seq_lens, num_partitions=2, implementation=impl
+        )
+        return cache, out
+
+    q, _, tables, seq_lens = case.args()
+    rest = (case.k, case.v, jnp.asarray(case.slot_mapping), q, tables, seq_lens)
+    plain_cache, plain_out = jax.jit(step)(jnp.asarray(garbage), *rest)
+    donated = jnp.asarray(garbage)
+    cache, out = jax.jit(step, donate_argnums=0)(donated, *rest)
+    assert donated.is_deleted(), "the cache was not donated"
+    np.testing.assert_array_equal(np.asarray(cache), np.asarray(plain_cache))
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(plain_out, np.float32))
+    impls.check_uq(impl, case, out, num_partitions=2)  # the case's cache has the same tokens

@@ -2,9 +2,6 @@
 own tolerance (caches written by the library's ultraquant_store over NaN garbage; the oracle
 decodes the bytes independently)."""
 
-import functools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,20 +12,9 @@ from tests import impls
 from tests import oracle as O
 
 
-@functools.cache
-def _fn(num_partitions, sm_scale, impl):
-    return jax.jit(
-        functools.partial(
-            jsm.ultraquant_decode,
-            num_partitions=num_partitions,
-            sm_scale=sm_scale,
-            implementation=impl,
-        )
-    )
-
-
 def run(case, impl, num_partitions=None, sm_scale=1 / 16):
-    out = _fn(num_partitions, sm_scale, impl)(*case.args())
+    kw = dict(num_partitions=num_partitions, sm_scale=sm_scale, implementation=impl)
+    out = impls.jitted(jsm.ultraquant_decode, **kw)(*case.args())
     assert out.dtype == jnp.bfloat16 and out.shape == case.q.shape
     return out
 
