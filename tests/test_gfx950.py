@@ -23,12 +23,12 @@ What is checked, for sparse_mla, mla_decode (partials, combine, both) and ultraq
    requests; ultraquant G 6 / 8 / 16 and padded G (3, 12), block sizes 16 to 256, 1 to 8
    partitions, masked block-table entries (-1, >= num_blocks).
 4. A sparse_mla cache and an ultraquant cache over 4 GiB, read past the 4 GiB byte offset.
-5. jax.jit equals eager, jax.vmap equals a loop, a jitted store + decode step with the cache
-   donated equals the same step without donation.
+5. jax.jit equals eager, jax.vmap equals a loop (tests/test_transforms.py runs the
+   transforms, donation included, on every implementation against the oracle).
 6. implementation=None lowers to the kernels' custom calls on the MI355.
 
 The kernels use no atomics, so their runs are deterministic: results of the same kernels on the
-same data (jit / eager, vmap / loop, donation, compact / big cache, garbage in unreached records,
+same data (jit / eager, vmap / loop, compact / big cache, garbage in unreached records,
 mla_decode / its two kernels one after the other) must be bit-identical. Under jax.vmap the
 custom calls run once per batch element (``vmap_method="sequential"``).
 """
@@ -809,7 +809,7 @@ def test_ultraquant_cache_over_4gib():
 
 
 # =============================================================================================
-# jit / vmap / donation
+# jit / vmap
 # =============================================================================================
 
 
@@ -883,39 +883,6 @@ def test_vmap_over_q_equals_loop(op):
             one = fn(qs[b], *shared)
             for x, y in zip(_leaves(result), _leaves(one), strict=True):
                 assert_same(x[b], y, f"{op}: vmap element {b} vs loop")
-
-
-def test_donated_cache_store_then_decode():
-    """A jitted step that writes tokens with ultraquant_store into a donated cache and decodes
-    with the kernels equals the same step without donation (cache and output), and its output
-    is within the oracle bound."""
-    case, num_partitions = uq_case("g16_bs64_p8_idle_partitions")
-    garbage = C.garbage_cache(C.rng(0), *case.cache.shape)
-
-    def step(cache, k, v, slot_mapping, q, block_tables, seq_lens):
-        cache = jsm.ultraquant_store(cache, k, v, slot_mapping)
-        out = jsm.ultraquant_decode(
-            q, cache, block_tables, seq_lens, num_partitions=num_partitions, implementation=IMPL
-        )
-        return cache, out
-
-    rest = (
-        case.k,
-        case.v,
-        jnp.asarray(case.slot_mapping),
-        case.q,
-        jnp.asarray(case.block_tables),
-        jnp.asarray(case.seq_lens),
-    )
-    plain_cache, plain_out = jax.jit(step)(jnp.asarray(garbage), *rest)
-    donated = jnp.asarray(garbage)
-    cache, out = jax.jit(step, donate_argnums=0)(donated, *rest)
-    assert donated.is_deleted(), "the cache was not donated"
-    assert_same(cache, plain_cache, "donated vs plain cache")
-    assert_same(out, plain_out, "donated vs plain output")
-    reached = uq_reached(case)
-    assert_same(np.asarray(cache)[reached], case.cache[reached], "written slots")
-    UE.check(out, UE.oracle_on(UE.kernel_query(case.q), case), num_partitions, what="donated")
 
 
 # =============================================================================================
