@@ -8,6 +8,8 @@ cache pre-filled with garbage bytes (NaN scale bytes) so that any read of an unu
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import jax.numpy as jnp
@@ -267,7 +269,17 @@ class UQCase:
         return self.q, *map(jnp.asarray, arrays)
 
 
-def uq_case(
+def uq_case(seed, **kw) -> UQCase:
+    """Paged UltraQuant batch (``_written_uq_case``). Built once per arguments (the library's
+    store compiles per shape; the suites ask for a case once per implementation); each call
+    returns its own copy of the numpy arrays."""
+    c = _written_uq_case(seed, **kw)
+    arrays = ("cache", "block_tables", "seq_lens", "slot_mapping")
+    return dataclasses.replace(c, **{a: getattr(c, a).copy() for a in arrays})
+
+
+@functools.cache
+def _written_uq_case(
     seed,
     *,
     seq_lens=(1, 40, 100),
