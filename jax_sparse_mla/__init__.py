@@ -6,6 +6,7 @@ available, ``"xla"`` is the exact jax-native implementation that runs everywhere
 - ``sparse_mla``: sparse MLA over fp8_ds_mla records with a CSR index stream.
 - ``mla_decode`` / ``mla_decode_partials`` / ``merge_attn_states``: split-KV MLA decode.
 - ``ultraquant_decode``: GQA decode over a 4-bit UltraQuant paged cache.
+- ``*_sharded``: each op over a device mesh (heads, rows / requests, KV context), ``sharding``.
 
 Record writers and readers live in ``jax_sparse_mla.formats`` and are re-exported here.
 ``checked(fn)`` makes the ops' ``validate=True`` checks inside ``fn`` (jitted or not) raise
@@ -32,6 +33,11 @@ from jax_sparse_mla.mla_decode import (
     validate_mla_decode,
 )
 from jax_sparse_mla.self_check import selfcheck
+from jax_sparse_mla.sharding import (
+    mla_decode_sharded,
+    sparse_mla_sharded,
+    ultraquant_decode_sharded,
+)
 from jax_sparse_mla.sparse_mla import (
     dense_to_csr,
     sparse_mla,
@@ -65,10 +71,13 @@ __all__ = [
     "merge_attn_states",
     "mla_decode",
     "mla_decode_partials",
+    "mla_decode_sharded",
     "pack_fp8_ds_mla",
     "selfcheck",
     "sparse_mla",
+    "sparse_mla_sharded",
     "ultraquant_decode",
+    "ultraquant_decode_sharded",
     "ultraquant_store",
     "unpack_fp8_ds_mla",
     "validate_fp8_ds_mla_records",

@@ -3,7 +3,8 @@
 Inside ``shard_map`` every value carries the set of mesh axes it varies over (an input sharded
 over ``"x"`` varies over ``"x"``; a constant varies over none). A loop carry must keep its type
 across iterations, so a carry initialised from constants must start as varying as what the loop
-body mixes into it (``vary_like``); a Pallas ``out_shape`` must state it (``out_struct``).
+body mixes into it (``fori_loop``, ``vary_like``); a Pallas ``out_shape`` must state it
+(``out_struct``).
 Outside ``shard_map`` every set is empty and both are no-ops.
 
 jax 0.10.2 and 0.11 spell it the same way (``jax.typeof(x).manual_axis_type.varying``,
@@ -14,12 +15,23 @@ spelling lives only here.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import ManualAxisType
 
 
 def varying_axes(*xs) -> frozenset[str]:
     """The mesh axes any leaf of ``xs`` (arrays, tracers, Python or NumPy scalars) varies over."""
-    return frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in jax.tree.leaves(xs)))
+
+    def axes(x):
+        mat = x.manual_axis_type if isinstance(x, jax.ShapeDtypeStruct) else None
+        mat = (
+            jax.typeof(x).manual_axis_type
+            if mat is None and not isinstance(x, jax.ShapeDtypeStruct)
+            else mat
+        )
+        return frozenset() if mat is None else mat.varying
+
+    return frozenset().union(*(axes(x) for x in jax.tree.leaves(xs)))
 
 
 def vary_like(tree, *like):
@@ -31,6 +43,13 @@ def vary_like(tree, *like):
         return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
 
     return jax.tree.map(cast, tree)
+
+
+def fori_loop(lower, upper, body, init):
+    """``jax.lax.fori_loop`` whose carry starts as varying as ``body`` makes it (whatever the
+    body reads: closed-over arrays included)."""
+    init = vary_like(init, jax.eval_shape(body, jnp.int32(0), init))
+    return jax.lax.fori_loop(lower, upper, body, init)
 
 
 def out_struct(shape, dtype, *like) -> jax.ShapeDtypeStruct:

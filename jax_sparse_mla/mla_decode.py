@@ -187,7 +187,10 @@ def mla_decode(
         changes the cost (it follows n) or drops a valid key.
       qlen: query positions per request (static).
       k_scale, v_scale: per-tensor dequantization scales (float or 0-d array).
-      sm_scale: softmax scale; default 576 ** -0.5.
+      sm_scale: softmax scale; default 576 ** -0.5 (1 / sqrt(head dim)). DeepSeek-V3.2 must
+        pass its own: ``192 ** -0.5 * mscale ** 2`` (192 = the q/k head dim before absorption,
+        128 nope + 64 rope; YaRN ``mscale = 0.1 * mscale_all_dim * ln(factor) + 1``, with the
+        config's rope_scaling factor 40 and mscale_all_dim 1: ``≈ 0.1352``).
       num_splits: KV splits per request (static; default 1 for "xla", enough to fill the GPU
         for "pallas"). Splits are combined in float32, so the answer does not depend on it.
       return_lse: also return the natural-log LSE.

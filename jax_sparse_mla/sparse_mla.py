@@ -64,8 +64,9 @@ def sparse_mla(
     q: jax.Array,
     kv: jax.Array,
     idx: jax.Array,
-    indptr: jax.Array,
+    indptr: jax.Array | None = None,
     *,
+    topk_length: jax.Array | None = None,
     sm_scale=None,
     return_lse: bool = False,
     implementation: str | None = None,
@@ -74,7 +75,8 @@ def sparse_mla(
     """Sparse MLA: each query row attends to its own list of fp8_ds_mla records.
 
     ``out[r, h] = softmax_k(sm_scale * q[r, h]·K_k) @ V_k`` over the rows
-    ``idx[indptr[r]:indptr[r+1]]`` of ``kv``, with K = latent ‖ rope (576) and V = latent (512).
+    ``idx[indptr[r]:indptr[r+1]]`` of ``kv`` (or, with ``indptr=None``, the row ``idx[r]`` of
+    the indexer's ``[n_q, topk]`` layout), with K = latent ‖ rope (576) and V = latent (512).
     Entries < 0 or >= the number of kv rows are masked (never read); a row with no unmasked key
     gives out 0 and lse -inf. A row with ``indptr[r+1] < indptr[r]`` is empty. Every argument
     may be a jax or a numpy array; zero-size inputs (0 rows, heads, entries or records) give
@@ -84,10 +86,17 @@ def sparse_mla(
     Args:
       q: [n_q, H, 576] bfloat16.
       kv: [..., 656] uint8 fp8_ds_mla records, any leading shape (read as rows).
-      idx: [nnz] int32 record indices, CSR values.
+      idx: [nnz] int32 record indices, CSR values; or [n_q, topk] int32 (the indexer's top-k
+        per query, -1 padding) with ``indptr=None``.
       indptr: [n_q + 1] int32 CSR row pointers, each clipped to [0, nnz]: no value changes the
-        cost (it follows nnz) or drops a valid key.
-      sm_scale: softmax scale (float or 0-d array); default 576 ** -0.5.
+        cost (it follows nnz) or drops a valid key. None for 2-D ``idx``.
+      topk_length: optional [n_q] int32 with 2-D ``idx`` (as FlashMLA's): row r uses its
+        first ``clip(topk_length[r], 0, topk)`` entries.
+      sm_scale: softmax scale (float or 0-d array); default 576 ** -0.5 (1 / sqrt(head dim)).
+        DeepSeek-V3.2 must pass its own: ``192 ** -0.5 * mscale ** 2`` (192 = the q/k head dim
+        before absorption, 128 nope + 64 rope; YaRN ``mscale = 0.1 * mscale_all_dim *
+        ln(factor) + 1``, with the config's rope_scaling factor 40 and mscale_all_dim 1:
+        ``192 ** -0.5 * 1.3689 ** 2 ≈ 0.1352``).
       return_lse: also return the natural-log LSE of the scaled scores.
       implementation: None (the FlyDSL kernel on gfx950 ROCm GPUs, the Pallas kernel on Hopper
         GPUs, "xla" elsewhere), "xla" (exact, every platform), "pallas" (compiled on CUDA, Pallas
@@ -102,6 +111,7 @@ def sparse_mla(
       out [n_q, H, 512] bfloat16, and with ``return_lse`` also lse [n_q, H] float32.
     """
     op = "sparse_mla"
+    idx, indptr = _as_csr(op, q, idx, indptr, topk_length)
     _check_static(op, q, kv, idx, indptr)
     impl = resolve_implementation(op, implementation, _IMPLEMENTATIONS)
     scale = check_scalar(op, "sm_scale", DEFAULT_SM_SCALE if sm_scale is None else sm_scale)
@@ -113,6 +123,17 @@ def sparse_mla(
     else:
         out, lse = impl(q, kv, idx, indptr, sm_scale=scale, return_lse=return_lse)
     return (out, lse) if return_lse else out
+
+
+def _as_csr(op: str, q, idx, indptr, topk_length):
+    """(idx, indptr) as CSR: 2-D ``idx`` with ``indptr=None`` through ``dense_to_csr``."""
+    if indptr is not None:
+        if topk_length is not None:
+            raise ValueError(f"{op}: topk_length goes with 2-D idx and indptr=None, not CSR")
+        return idx, indptr
+    check_array(op, "q", q, dtypes=[jnp.bfloat16], ndim=3, last_dims=(KV_DIM,))
+    check_array(op, "idx", idx, dtypes=[jnp.int32], shape=(q.shape[0], None))
+    return dense_to_csr(idx, topk_length)
 
 
 def _check_static(op: str, q, kv, idx, indptr) -> None:
@@ -197,18 +218,28 @@ def _scale_checks(op: str, name: str, records, referenced, among: str) -> list[D
     ]
 
 
-def dense_to_csr(topk_idx: jax.Array) -> tuple[jax.Array, jax.Array]:
+def dense_to_csr(
+    topk_idx: jax.Array, topk_length: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """The [n_q, topk] index layout with -1 padding as CSR.
 
-    Every row keeps its ``topk`` entries (the -1 padding stays and is masked by ``sparse_mla``),
-    so the result has static shape and works under ``jax.jit``.
+    Every row keeps its ``topk`` entries (the -1 padding stays and is masked by ``sparse_mla``;
+    so do the entries past ``topk_length``), so the result has static shape and works under
+    ``jax.jit``.
 
     Args:
       topk_idx: [n_q, topk] int32, -1 for padding.
+      topk_length: optional [n_q] int32: row r keeps its first ``topk_length[r]`` entries.
     Returns:
       idx [n_q * topk] int32 and indptr [n_q + 1] int32 (``indptr[r] = r * topk``).
     """
-    check_array("dense_to_csr", "topk_idx", topk_idx, dtypes=[jnp.int32], ndim=2)
+    op = "dense_to_csr"
+    check_array(op, "topk_idx", topk_idx, dtypes=[jnp.int32], ndim=2)
     n_q, topk = topk_idx.shape
+    topk_idx = jnp.asarray(topk_idx)
+    if topk_length is not None:
+        check_array(op, "topk_length", topk_length, dtypes=[jnp.int32], shape=(n_q,))
+        keep = jnp.arange(topk, dtype=jnp.int32) < jnp.asarray(topk_length)[:, None]
+        topk_idx = jnp.where(keep, topk_idx, -1)
     indptr = jnp.arange(n_q + 1, dtype=jnp.int32) * topk
     return topk_idx.reshape(-1), indptr

@@ -82,7 +82,10 @@ def ultraquant_decode(
       cache: [num_blocks, block_size, Hk, slot_bytes] uint8 (slot_bytes >= 272, multiple of 4).
       block_tables: [B, max_blocks] int32.
       seq_lens: [B] int32.
-      sm_scale: softmax scale (float or 0-d array); default 1/16.
+      sm_scale: softmax scale (float or 0-d array); default 1/16 = 256 ** -0.5 (1 / sqrt(head
+        dim)). A model passes its own: 1 / sqrt(its q/k head dim), times YaRN's ``mscale ** 2``
+        (``mscale = 0.1 * mscale_all_dim * ln(factor) + 1``) when it uses YaRN, as DeepSeek-V3.2
+        does for MLA (``192 ** -0.5 * mscale ** 2 ≈ 0.1352``, see ``sparse_mla``).
       num_partitions: P (static; default 1 for "xla", enough to fill the GPU for "pallas"):
         for "xla" partition p owns the tile-groups p, p + P, ..., for "pallas" a contiguous
         run of tokens; the partitions are reduced in float32 at the end, so the answer does

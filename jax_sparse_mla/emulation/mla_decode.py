@@ -65,7 +65,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_sparse_mla._vma import vary_like
+from jax_sparse_mla._vma import fori_loop, vary_like
 from jax_sparse_mla.emulation._arith import LO_FACTOR, exp2, fp8_hi_lo, narrow
 from jax_sparse_mla.formats import LATENT_DIM, pow2
 
@@ -188,8 +188,7 @@ def mla_decode_partials_gfx950_emulation(
         jnp.zeros((b, s_count, m_rows), f32),
         jnp.zeros((b, s_count, m_rows, LATENT_DIM), f32),
     )
-    init = vary_like(init, q, kv, kv_indices, kv_indptr, k_scale, sm_scale)  # jax.shard_map
-    m_fin, l_fin, o_fin = jax.lax.fori_loop(0, num_blocks, step, init)
+    m_fin, l_fin, o_fin = fori_loop(0, num_blocks, step, init)
     has = l_fin != 0  # NaN included (causal rule)
     l_safe = jnp.where(has, l_fin, 1.0)
     o = jnp.where(has[..., None], o_fin * (jnp.asarray(v_scale, f32) / l_safe)[..., None], 0.0)

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sparse_mla._vma import vary_like
+from jax_sparse_mla._vma import fori_loop
 from jax_sparse_mla.emulation._arith import fp8_hi_lo, rounded
 from jax_sparse_mla.formats import (
     LATENT_DIM,
@@ -170,8 +170,7 @@ def sparse_mla_gfx950_emulation(
         jnp.zeros((n_q, h, NUM_SCALES, SCALE_BLOCK), jnp.float32),
     )
     num_tiles = (jnp.max(length) + TILE - 1) // TILE
-    init = vary_like(init, q, kv, idx, indptr, sm_scale)  # jax.shard_map: as the tiles
-    m, l_sum, o = jax.lax.fori_loop(0, num_tiles, step, init)
+    m, l_sum, o = fori_loop(0, num_tiles, step, init)
 
     has_keys = l_sum != 0
     l_safe = jnp.where(has_keys, l_sum, 1.0)

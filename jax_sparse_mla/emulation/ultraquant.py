@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sparse_mla._vma import vary_like
+from jax_sparse_mla._vma import fori_loop, vary_like
 from jax_sparse_mla.emulation._arith import e4m3, exp2, narrow, rounded
 from jax_sparse_mla.formats import UQ_HEAD_DIM, _unpack_slots
 from jax_sparse_mla.reference.attention import ceil_div
@@ -158,8 +158,7 @@ def ultraquant_decode_gfx950_partials_emulation(
         jnp.zeros((rows, hk, g, UQ_HEAD_DIM), jnp.float32),
     )
     num_tiles = ceil_div(ceil_div(jnp.max(seq_len), TILE_GROUP), p_count) * N_TILES
-    init = vary_like(init, q, cache, block_tables, seq_lens, sm_scale)  # jax.shard_map
-    run_max, run_sum, acc = jax.lax.fori_loop(0, num_tiles, step, init)
+    run_max, run_sum, acc = fori_loop(0, num_tiles, step, init)
     inv = jnp.float32(1.0) / jnp.where(run_sum > 0.0, run_sum, 1.0)
     o = narrow(acc * inv[..., None], jnp.bfloat16)
     return (

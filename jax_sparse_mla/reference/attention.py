@@ -8,7 +8,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_sparse_mla._vma import vary_like
+from jax_sparse_mla._vma import fori_loop
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -104,8 +104,7 @@ def _forward(load, q, sm_scale, num_tiles, *consts):
         jnp.zeros((r, g, m), jnp.float32),
         jnp.zeros((r, g, m, dv), jnp.float32),
     )
-    init = vary_like(init, q, sm_scale, *consts)  # as varying as the tiles (jax.shard_map)
-    m_fin, l_fin, acc = jax.lax.fori_loop(0, num_tiles, step, init)
+    m_fin, l_fin, acc = fori_loop(0, num_tiles, step, init)
     # l >= 1 once a key is valid (its largest score contributes exp(0)), so l == 0 means no
     # valid key; NaN scores from a referenced corrupt record propagate as NaN.
     has_keys = l_fin != 0
@@ -135,8 +134,7 @@ def _attend_bwd(load, res, cts):
         dp = jnp.einsum("rgmd,rtgd->rgmt", d_o, v, precision=_HIGHEST)
         return dq + jnp.einsum("rgmt,rtgd->rgmd", p * (dp - delta), k, precision=_HIGHEST)
 
-    dq = jnp.zeros_like(q)
-    dq = jax.lax.fori_loop(0, num_tiles, step, vary_like(dq, q, sm_scale, d_o, o, lse, *consts))
+    dq = fori_loop(0, num_tiles, step, jnp.zeros_like(q))
     return (dq * sm_scale, jnp.sum(q * dq), None, *(None for _ in consts))
 
 

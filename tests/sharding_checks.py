@@ -1,0 +1,228 @@
+"""The sharding checks, run by tests/test_sharding.py in a process of its own with 8 virtual CPU
+devices (``python -m tests.sharding_checks [check ...]``; the device count must be set before
+jax starts, and the rest of the suite keeps one device).
+
+Each check runs a ``*_sharded`` op under ``jax.jit`` with NamedSharding inputs (its
+``jax.shard_map`` keeps the default ``check_vma=True``), compares it with the op on one device
+and reads the compiled HLO's collectives: none for heads (TP) and rows / requests (DP); for
+the KV context (DCP) all-gathers of the partials only. The CPU runs every implementation
+but "flydsl"; the "flydsl" and the CUDA branches are lowered for their platform.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_sparse_mla as jsm  # noqa: E402
+from tests import cases as C  # noqa: E402
+
+IMPLS = ("xla", "gfx950_emulation", "pallas", None)
+COLLECTIVE = re.compile(r"= (\S+) (all-gather|all-reduce|all-to-all|collective-permute)\w*\(")
+
+
+def mesh(dp: int, tp: int) -> jax.sharding.Mesh:
+    return jax.make_mesh((dp, tp), ("dp", "tp"))
+
+
+def put(m, specs, *arrays):
+    return [
+        jax.device_put(jnp.asarray(a), NamedSharding(m, s))
+        for s, a in zip(specs, arrays, strict=True)
+    ]
+
+
+def collectives(f, *args) -> list[tuple[str, str]]:
+    """(result type, op) of every collective in ``jax.jit(f)``'s compiled HLO."""
+    return COLLECTIVE.findall(jax.jit(f).lower(*args).compile().as_text())
+
+
+def close(got, want, what: str, partials_bf16: bool = False) -> None:
+    """Equal up to one bf16 rounding: both sides are float32 online softmaxes over the same keys
+    (in other tile / shard orders: ~2^-22 relative of the row) rounded once to bf16, so they
+    differ by at most 1 bf16 ulp (<= 2^-7 |want|) plus the float32 difference.
+
+    ``partials_bf16``: DCP with a kernel implementation, whose per-device partials carry the
+    kernel's bf16 roundings (P in bf16: <= 2^-8 max|V| per partial; the emulation's o in
+    bf16 too) before the float32 merge: 2^-7 max|want| more."""
+    got, want = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (got, want))
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(got - want)
+    top = np.max(np.abs(want), initial=1.0, where=np.isfinite(want))
+    tol = 2.0**-7 * np.abs(want) + (2.0**-7 if partials_bf16 else 2.0**-18) * top
+    bad = ~(diff <= tol) & ~(np.isneginf(got) & np.isneginf(want))
+    assert not bad.any(), (
+        f"{what}: {bad.sum()} entries differ, max {np.max(np.abs(got - want)[bad])}"
+    )
+
+
+def check_sparse_mla() -> None:
+    m = mesh(2, 4)
+    case = C.sparse_case(1, n_q=4, h=8, n_rec=40)
+    good = np.setdiff1d(np.arange(46), case.meta["nan_rows"])  # records, not NaN garbage
+    topk = np.where(C.rng(2).random((4, 16)) < 0.2, -1, C.rng(3).choice(good, (4, 16)))
+    topk = topk.astype(np.int32)
+    lengths = np.int32([16, 3, 0, 9])
+    layouts = {  # name: (specs, global arguments, options)
+        "csr": ((P("dp", "tp", None), P(), P(), P()), (case.idx, case.indptr), {}),
+        "dense": ((P("dp", "tp", None), P(), P("dp", None)), (topk,), {"topk_length": lengths}),
+    }
+    for impl in IMPLS:
+        for name, (specs, index, options) in layouts.items():
+            args = put(m, specs, case.q, case.kv, *index)
+            if "topk_length" in options:
+                options = {"topk_length": put(m, [P("dp")], lengths)[0]}
+
+            def f(*a, impl=impl, options=options):
+                return jsm.sparse_mla_sharded(
+                    *a,
+                    mesh=m,
+                    heads="tp",
+                    rows="dp",
+                    return_lse=True,
+                    implementation=impl,
+                    **options,
+                )
+
+            out, lse = jax.jit(f)(*args)
+            want = jsm.sparse_mla(
+                case.q,
+                case.kv,
+                *index,
+                return_lse=True,
+                implementation=impl,
+                **({"topk_length": lengths} if options else {}),
+            )
+            close(out, want[0], f"sparse_mla {name} [{impl}] out")
+            close(lse, want[1], f"sparse_mla {name} [{impl}] lse")
+            assert out.sharding.spec == P("dp", "tp", None), out.sharding
+            found = collectives(f, *args)
+            assert found == [], (impl, name, found)
+    print("sparse_mla ok")
+
+
+def check_mla_decode() -> None:
+    case = C.decode_case(3, seq_lens=(5, 130, 300, 64), qlen=2, h=4, as_uint8=True)
+    tokens = case.kv.shape[0]
+    pad = -tokens % 8  # the cache's tokens split evenly over up to 8 devices
+    kv = np.concatenate([case.kv_codes, np.full((pad, 576), 0x7F, np.uint8)])
+    scales = dict(k_scale=case.k_scale, v_scale=case.v_scale)
+    layouts = {  # name: (mesh, heads, requests, context)
+        "tp+dp": (mesh(2, 4), "tp", "dp", None),
+        "dcp": (mesh(1, 8), None, None, "tp"),
+        "dp+dcp": (mesh(2, 4), None, "dp", "tp"),
+    }
+    for impl in IMPLS:
+        want = jsm.mla_decode(
+            case.q,
+            kv,
+            case.kv_indices,
+            case.kv_indptr,
+            qlen=2,
+            return_lse=True,
+            implementation=impl,
+            **scales,
+        )
+        for name, (m, heads, requests, context) in layouts.items():
+            specs = (P(requests, heads, None), P(context, None), P(), P())
+            args = put(m, specs, case.q, kv, case.kv_indices, case.kv_indptr)
+
+            def f(*a, m=m, heads=heads, requests=requests, context=context, impl=impl):
+                return jsm.mla_decode_sharded(
+                    *a,
+                    mesh=m,
+                    heads=heads,
+                    requests=requests,
+                    context=context,
+                    qlen=2,
+                    return_lse=True,
+                    implementation=impl,
+                    **scales,
+                )
+
+            out, lse = jax.jit(f)(*args)
+            loose = context is not None and impl != "xla"
+            close(out, want[0], f"mla_decode {name} [{impl}] out", loose)
+            close(lse, want[1], f"mla_decode {name} [{impl}] lse")
+            found = collectives(f, *args)
+            if context is None:
+                assert found == [], (impl, name, found)
+            else:  # only the merge: [rows, H] maxima and sums, the [rows, H, 512] weighted sum
+                rows = case.q.shape[0] // (m.shape[requests] if requests else 1)
+                allowed = {f"f32[{rows},4]", f"f32[{rows},4,512]"}
+                assert found, (impl, name)
+                for t, op in found:
+                    assert op == "all-reduce" and t.split("{")[0] in allowed, (impl, name, found)
+    print("mla_decode ok")
+
+
+def check_ultraquant() -> None:
+    m = mesh(2, 4)
+    case = C.uq_case(4, seq_lens=(1, 40, 100, 17), hk=4, g=2)
+    specs = (P("dp", "tp", None), P(None, None, "tp", None), P("dp", None), P("dp"))
+    for impl in IMPLS:
+        args = put(m, specs, case.q, case.cache, case.block_tables, case.seq_lens)
+
+        def f(*a, impl=impl):
+            return jsm.ultraquant_decode_sharded(
+                *a, mesh=m, heads="tp", requests="dp", implementation=impl
+            )
+
+        out = jax.jit(f)(*args)
+        want = jsm.ultraquant_decode(
+            case.q, case.cache, case.block_tables, case.seq_lens, implementation=impl
+        )
+        close(out, want, f"ultraquant_decode [{impl}]")
+        assert collectives(f, *args) == [], (impl, collectives(f, *args))
+    print("ultraquant ok")
+
+
+def check_lowering() -> None:
+    """ "flydsl" and None lowered for ROCm, "pallas" and None for CUDA: the custom calls (no
+    gathering of q or the cache: no collective at all in the TP layout)."""
+    m = mesh(2, 4)
+    case = C.sparse_case(1, n_q=4, h=8, n_rec=40)
+    specs = (P("dp", "tp", None), P(), P(), P())
+    args = put(m, specs, case.q, case.kv, case.idx, case.indptr)
+    for platform, impls, target in (
+        ("rocm", ("flydsl", None), "jsm_sparse_mla"),
+        ("cuda", ("pallas", None), "__gpu$xla.gpu.triton"),
+    ):
+        for impl in impls:
+
+            def f(*a, impl=impl):
+                return jsm.sparse_mla_sharded(
+                    *a, mesh=m, heads="tp", rows="dp", implementation=impl
+                )
+
+            text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+            assert target in text, (platform, impl)
+            assert not re.search(r"all_gather|all_reduce|all_to_all|collective_permute", text), (
+                platform,
+                impl,
+            )
+    print("lowering ok")
+
+
+CHECKS = {
+    "sparse_mla": check_sparse_mla,
+    "mla_decode": check_mla_decode,
+    "ultraquant": check_ultraquant,
+    "lowering": check_lowering,
+}
+
+if __name__ == "__main__":
+    assert len(jax.devices()) == 8, jax.devices()
+    for name in sys.argv[1:] or CHECKS:
+        CHECKS[name]()
