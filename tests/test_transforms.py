@@ -238,7 +238,7 @@ def test_donated_cache_store_then_decode(impl):
     """A jitted step that writes tokens with ultraquant_store into a donated cache and decodes
     equals the same step without donation (cache and output: the same program but for the
     buffer aliasing), and its output is within the implementation's bound."""
-    case = C.uq_case(61, seq_lens=(5, 40, 0), hk=2, g=8, bs=16)
+    case = C.uq_case(4, seq_lens=(10, 40), hk=1, g=8, bs=16)  # test_ultraquant_decode_vmap's
     garbage = C.garbage_cache(C.rng(0), *case.cache.shape)
 
     def step(cache, k, v, slot_mapping, q, block_tables, seq_lens):
