@@ -125,16 +125,22 @@ def jitted(fn, **static):
     return jax.jit(functools.partial(fn, **static))
 
 
+def with_scales(fn, impl: str, scales: dict, **static):
+    """``fn`` jitted with ``static`` keyword arguments and the ``scales`` (name -> float or
+    None), as a function of its array arguments. The scales are traced 0-d float32 arrays (one
+    compiled function serves every value), except None (the op's default) and for "flydsl",
+    whose kernels take static scales."""
+    traced = {k: v for k, v in scales.items() if v is not None and impl != "flydsl"}
+    fixed = {k: v for k, v in scales.items() if k not in traced}
+    f = jitted(fn, implementation=impl, **static, **fixed)
+    return lambda *args: f(*args, **{k: jnp.float32(v) for k, v in traced.items()})
+
+
 def decode_fn(fn, impl: str, case, **options):
     """``fn`` (mla_decode or mla_decode_partials) for ``case`` (tests/cases.DecodeCase) jitted,
-    as a function of (q, kv, kv_indices, kv_indptr). k_scale / v_scale are traced 0-d arrays,
-    except for "flydsl", whose kernels take static scales."""
-    scales = dict(k_scale=case.k_scale, v_scale=case.v_scale)
-    kw = dict(qlen=case.qlen, sm_scale=case.sm_scale, implementation=impl, **options)
-    if impl == "flydsl":
-        return jitted(fn, **kw, **scales)
-    f = jitted(fn, **kw)
-    return lambda *args: f(*args, **{k: jnp.float32(v) for k, v in scales.items()})
+    as a function of (q, kv, kv_indices, kv_indptr), its scales passed by ``with_scales``."""
+    scales = dict(k_scale=case.k_scale, v_scale=case.v_scale, sm_scale=case.sm_scale)
+    return with_scales(fn, impl, scales, qlen=case.qlen, **options)
 
 
 def decode_partials(impl: str, case, num_splits: int):

@@ -21,19 +21,9 @@ def _case(seq_lens=(9, 6)):
     return c, np.asarray(c.kv_codes).copy()
 
 
-def _run(impl, c, codes, **kw):
-    return jsm.mla_decode(
-        c.q,
-        jnp.asarray(codes),
-        jnp.asarray(c.kv_indices),
-        jnp.asarray(c.kv_indptr),
-        qlen=QLEN,
-        k_scale=c.k_scale,
-        v_scale=c.v_scale,
-        return_lse=True,
-        implementation=impl,
-        **kw,
-    )
+def _run(impl, c, codes, num_splits=None):
+    fn = impls.decode_fn(jsm.mla_decode, impl, c, num_splits=num_splits, return_lse=True)
+    return fn(c.q, jnp.asarray(codes), jnp.asarray(c.kv_indices), jnp.asarray(c.kv_indptr))
 
 
 @impls.each

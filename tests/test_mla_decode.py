@@ -82,8 +82,10 @@ def test_num_splits_same_answer(impl, num_splits):
     impls.check_decode(impl, case, out, lse, num_splits, what=f"num_splits={num_splits}")
 
 
-@impls.each
-@pytest.mark.parametrize("num_splits", [1, 2, 3, 16])
+@pytest.mark.parametrize(
+    "impl, num_splits",
+    [(i, s) for i in impls.available() for s in ((1, 2, 3, 16) if i == "xla" else (1, 3, 16))],
+)
 @pytest.mark.parametrize("qlen", [1, 3])
 def test_partials(impl, num_splits, qlen):
     case = C.decode_case(
@@ -96,7 +98,8 @@ def test_partials(impl, num_splits, qlen):
     if impl in impls.GFX950:
         return  # merging them: test_decode (the bound of merged gfx950 partials)
     # merging the partials gives the full answer
-    o, lse = jsm.merge_attn_states(o_parts, lse_parts, return_lse=True, implementation=impl)
+    merge = impls.jitted(jsm.merge_attn_states, return_lse=True, implementation=impl)
+    o, lse = merge(o_parts, lse_parts)
     ref, ref_lse, st = oracle(case)
     # the partials were rounded to bf16 first: allow that rounding (2^-8 relative per partial)
     # on top of the output rounding

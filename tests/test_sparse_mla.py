@@ -15,9 +15,7 @@ from tests import oracle as O
 
 def run(case, impl, jit=True):
     if jit:
-        f = impls.jitted(
-            jsm.sparse_mla, sm_scale=case.sm_scale, return_lse=True, implementation=impl
-        )
+        f = impls.with_scales(jsm.sparse_mla, impl, dict(sm_scale=case.sm_scale), return_lse=True)
     else:
         f = functools.partial(
             jsm.sparse_mla, sm_scale=case.sm_scale, return_lse=True, implementation=impl

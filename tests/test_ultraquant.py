@@ -13,8 +13,10 @@ from tests import oracle as O
 
 
 def run(case, impl, num_partitions=None, sm_scale=1 / 16):
-    kw = dict(num_partitions=num_partitions, sm_scale=sm_scale, implementation=impl)
-    out = impls.jitted(jsm.ultraquant_decode, **kw)(*case.args())
+    f = impls.with_scales(
+        jsm.ultraquant_decode, impl, dict(sm_scale=sm_scale), num_partitions=num_partitions
+    )
+    out = f(*case.args())
     assert out.dtype == jnp.bfloat16 and out.shape == case.q.shape
     return out
 
