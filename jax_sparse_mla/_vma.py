@@ -4,8 +4,8 @@ Inside ``shard_map`` every value carries the set of mesh axes it varies over (an
 over ``"x"`` varies over ``"x"``; a constant varies over none). A loop carry must keep its type
 across iterations, so a carry initialised from constants must start as varying as what the loop
 body mixes into it (``fori_loop``, ``vary_like``); a Pallas ``out_shape`` must state it
-(``out_struct``).
-Outside ``shard_map`` every set is empty and both are no-ops.
+(``out_struct``); a custom VJP's cotangent must vary like its primal (``sum_like``).
+Outside ``shard_map`` every set is empty and all of these are no-ops.
 
 jax 0.10.2 and 0.11 spell it the same way (``jax.typeof(x).manual_axis_type.varying``,
 ``ShapeDtypeStruct(..., manual_axis_type=)``, ``jax.lax.pcast(..., to="varying")``); the
@@ -43,6 +43,14 @@ def vary_like(tree, *like):
         return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
 
     return jax.tree.map(cast, tree)
+
+
+def sum_like(ct, primal):
+    """The cotangent ``ct`` of ``primal`` summed over the mesh axes it varies over and
+    ``primal`` does not: a value every device of an axis uses alike gets the sum of their
+    cotangents (what the transpose of ``pcast`` to varying does)."""
+    extra = varying_axes(ct) - varying_axes(primal)
+    return jax.lax.psum(ct, tuple(sorted(extra))) if extra else ct
 
 
 def fori_loop(lower, upper, body, init):

@@ -138,8 +138,10 @@ def _merge_over(axis: Axis, o: jax.Array, lse: jax.Array) -> tuple[jax.Array, ja
     """``merge_attn_states``' rule over this device's partials (o [rows, S, H, D] float32, lse
     [rows, S, H]) and those of the other devices of ``axis``: weights ``exp(lse - max lse)``,
     a -inf partial weighs 0 (its o ignored); reduced with pmax / psum, so only [rows, H] maxima
-    and sums and the weighted [rows, H, D] sum cross devices. Returns bf16 o and f32 lse."""
-    m = jax.lax.pmax(jnp.max(lse, axis=1), axis)
+    and sums and the weighted [rows, H, D] sum cross devices. Returns bf16 o and f32 lse.
+    The shift m is a constant to differentiation (the result does not depend on it; pmax has
+    no derivative)."""
+    m = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(lse, axis=1)), axis)
     m_ref = jnp.where(m == -jnp.inf, 0.0, m)
     w = jnp.exp(lse - m_ref[:, None])  # [rows, S, H]
     total = jax.lax.psum(jnp.sum(w, axis=1), axis)

@@ -6,11 +6,13 @@ Each check runs a ``*_sharded`` op under ``jax.jit`` with NamedSharding inputs (
 ``jax.shard_map`` keeps the default ``check_vma=True``), compares it with the op on one device
 and reads the compiled HLO's collectives: none for heads (TP) and rows / requests (DP); for
 the KV context (DCP) all-gathers of the partials only. The CPU runs every implementation
-but "flydsl"; the "flydsl" and the CUDA branches are lowered for their platform.
+but "flydsl"; the "flydsl" and the CUDA branches are lowered for their platform. The gradient
+checks take ``jax.grad`` under jit through each wrapper and compare it with one device's.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -67,13 +69,18 @@ def close(got, want, what: str, partials_bf16: bool = False) -> None:
     )
 
 
+def dense_topk(case) -> tuple[np.ndarray, np.ndarray]:
+    """The indexer's [4, 16] int32 layout over the case's records (not its NaN garbage rows),
+    about 20 % -1 padding, and per-row lengths [4] int32 (one 0)."""
+    good = np.setdiff1d(np.arange(46), case.meta["nan_rows"])
+    topk = np.where(C.rng(2).random((4, 16)) < 0.2, -1, C.rng(3).choice(good, (4, 16)))
+    return topk.astype(np.int32), np.int32([16, 3, 0, 9])
+
+
 def check_sparse_mla() -> None:
     m = mesh(2, 4)
     case = C.sparse_case(1, n_q=4, h=8, n_rec=40)
-    good = np.setdiff1d(np.arange(46), case.meta["nan_rows"])  # records, not NaN garbage
-    topk = np.where(C.rng(2).random((4, 16)) < 0.2, -1, C.rng(3).choice(good, (4, 16)))
-    topk = topk.astype(np.int32)
-    lengths = np.int32([16, 3, 0, 9])
+    topk, lengths = dense_topk(case)
     layouts = {  # name: (specs, global arguments, options)
         "csr": ((P("dp", "tp", None), P(), P(), P()), (case.idx, case.indptr), {}),
         "dense": ((P("dp", "tp", None), P(), P("dp", None)), (topk,), {"topk_length": lengths}),
@@ -188,6 +195,153 @@ def check_ultraquant() -> None:
     print("ultraquant ok")
 
 
+def grads_close(got, want, what: str, kernel_partials: bool = False) -> None:
+    """Gradients of the same loss: float32 VJPs of the exact path over the same keys, in other
+    tile / shard / psum orders (f32 differences, measured <= 2^-16 relative), then q's rounded
+    to bf16 once on each side (<= 2^-8 |want| each): 2^-7 |want| + 2^-14 max |want|.
+
+    ``kernel_partials``: DCP with a kernel implementation differentiates the merge at the
+    kernel's own partials (bf16 P, bf16 o), which differ from the exact ones by the kernel's
+    forward error (single device: the exact path's merge): 2^-6 max |want| more (measured up
+    to 2^-7.5)."""
+    got, want = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (got, want))
+    top = np.max(np.abs(want), initial=0.0)
+    tol = 2.0**-7 * np.abs(want) + (2.0**-6 if kernel_partials else 2.0**-14) * top
+    bad = ~(np.abs(got - want) <= tol)
+    assert not bad.any(), f"{what}: {bad.sum()} entries differ, max {np.abs(got - want).max()}"
+
+
+def grad_of(fn, n_diff: int, cots):
+    """``jax.jit(jax.grad)`` of ``sum_i <fn(...)[i], cots[i]>`` (non-finite outputs, e.g. an
+    lse of -inf, count 0) w.r.t. the first ``n_diff`` arguments."""
+
+    def loss(*args):
+        outs = fn(*args)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        return sum(
+            jnp.vdot(jnp.where(jnp.isfinite(o), o, 0.0).astype(jnp.float32), c)
+            for o, c in zip(outs, cots, strict=True)
+        )
+
+    return jax.jit(jax.grad(loss, argnums=tuple(range(n_diff))))
+
+
+def check_gradients(impl: str) -> None:
+    """``jax.grad`` under jit through every sharded wrapper equals the single-device op's:
+    w.r.t. q and the traced scales, for ``impl`` ("xla"; "gfx950_emulation", whose gradient
+    is the exact path's)."""
+    rng = C.rng(7)
+
+    def cots(*shapes):
+        return [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
+
+    m = mesh(2, 4)
+    sp = C.sparse_case(1, n_q=4, h=8, n_rec=40)
+    topk, lengths = dense_topk(sp)
+    sp_cots = cots((4, 8, 512), (4, 8))
+    dec = C.decode_case(3, seq_lens=(5, 130, 300, 64), qlen=2, h=4, as_uint8=True)
+    kv = np.concatenate([dec.kv_codes, np.full((-dec.kv.shape[0] % 8, 576), 0x7F, np.uint8)])
+    dec_cots = cots((8, 4, 512), (8, 4))
+    uq = C.uq_case(4, seq_lens=(1, 40, 100, 17), hk=4, g=2)
+    uq_cots = cots((4, 8, 256))
+    scale = jnp.float32(0.05)
+    args = put(m, (P("dp", "tp", None), P(), P("dp", None), P("dp")), sp.q, sp.kv, topk, lengths)
+
+    def sparse(q, s, kv, idx, n):
+        return jsm.sparse_mla_sharded(
+            q,
+            kv,
+            idx,
+            mesh=m,
+            heads="tp",
+            rows="dp",
+            topk_length=n,
+            sm_scale=s,
+            return_lse=True,
+            implementation=impl,
+        )
+
+    def sparse_one(q, s, kv, idx, n):
+        return jsm.sparse_mla(
+            q, kv, idx, topk_length=n, sm_scale=s, return_lse=True, implementation=impl
+        )
+
+    got = grad_of(sparse, 2, sp_cots)(args[0], scale, *args[1:])
+    want = grad_of(sparse_one, 2, sp_cots)(sp.q, scale, sp.kv, topk, lengths)
+    for g, w, name in zip(got, want, ("q", "sm_scale"), strict=True):
+        grads_close(g, w, f"sparse_mla d{name} [{impl}]")
+
+    scales = (jnp.float32(dec.k_scale), jnp.float32(dec.v_scale))
+
+    def decode_one(q, ks, vs, kv, ind, ptr):
+        return jsm.mla_decode(
+            q,
+            kv,
+            ind,
+            ptr,
+            qlen=2,
+            k_scale=ks,
+            v_scale=vs,
+            return_lse=True,
+            implementation=impl,
+        )
+
+    want = grad_of(decode_one, 3, dec_cots)(dec.q, *scales, kv, dec.kv_indices, dec.kv_indptr)
+    for name, (mm, heads, requests, context) in {
+        "tp+dp": (m, "tp", "dp", None),
+        "dp+dcp": (m, None, "dp", "tp"),
+    }.items():
+        specs = (P(requests, heads, None), P(context, None), P(), P())
+        args = put(mm, specs, dec.q, kv, dec.kv_indices, dec.kv_indptr)
+
+        def decode(q, ks, vs, kv, ind, ptr, mm=mm, h=heads, r=requests, c=context):
+            return jsm.mla_decode_sharded(
+                q,
+                kv,
+                ind,
+                ptr,
+                mesh=mm,
+                heads=h,
+                requests=r,
+                context=c,
+                qlen=2,
+                k_scale=ks,
+                v_scale=vs,
+                return_lse=True,
+                implementation=impl,
+            )
+
+        got = grad_of(decode, 3, dec_cots)(args[0], *scales, *args[1:])
+        loose = context is not None and impl != "xla"
+        for g, w, wrt in zip(got, want, ("q", "k_scale", "v_scale"), strict=True):
+            grads_close(g, w, f"mla_decode {name} d{wrt} [{impl}]", loose)
+
+    specs = (P("dp", "tp", None), P(None, None, "tp", None), P("dp", None), P("dp"))
+    args = put(m, specs, uq.q, uq.cache, uq.block_tables, uq.seq_lens)
+
+    def ultra(q, s, cache, tables, lens):
+        return jsm.ultraquant_decode_sharded(
+            q,
+            cache,
+            tables,
+            lens,
+            mesh=m,
+            heads="tp",
+            requests="dp",
+            sm_scale=s,
+            implementation=impl,
+        )
+
+    def ultra_one(q, s, cache, tables, lens):
+        return jsm.ultraquant_decode(q, cache, tables, lens, sm_scale=s, implementation=impl)
+
+    got = grad_of(ultra, 2, uq_cots)(args[0], scale, *args[1:])
+    want = grad_of(ultra_one, 2, uq_cots)(uq.q, scale, uq.cache, uq.block_tables, uq.seq_lens)
+    for g, w, name in zip(got, want, ("q", "sm_scale"), strict=True):
+        grads_close(g, w, f"ultraquant_decode d{name} [{impl}]")
+    print(f"gradients_{impl} ok")
+
+
 def check_lowering() -> None:
     """ "flydsl" and None lowered for ROCm, "pallas" and None for CUDA: the custom calls (no
     gathering of q or the cache: no collective at all in the TP layout)."""
@@ -220,6 +374,8 @@ CHECKS = {
     "mla_decode": check_mla_decode,
     "ultraquant": check_ultraquant,
     "lowering": check_lowering,
+    "gradients_xla": functools.partial(check_gradients, "xla"),
+    "gradients_gfx950_emulation": functools.partial(check_gradients, "gfx950_emulation"),
 }
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The ops over 8 virtual CPU devices (tests/sharding_checks.py, in a process of its own so that
 the rest of the suite keeps one device): shard_map with check_vma=True for every
-implementation, results equal to one device's, and the compiled HLO's collectives."""
+implementation, results equal to one device's, the compiled HLO's collectives, and gradients
+through the sharded wrappers equal to one device's."""
 
 from __future__ import annotations
 
@@ -14,7 +15,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("check", ["sparse_mla", "mla_decode", "ultraquant", "lowering"])
+@pytest.mark.parametrize(
+    "check",
+    [
+        "sparse_mla",
+        "mla_decode",
+        "ultraquant",
+        "lowering",
+        "gradients_xla",
+        "gradients_gfx950_emulation",
+    ],
+)
 def test_sharded(check):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     run = subprocess.run(

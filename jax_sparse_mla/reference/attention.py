@@ -8,7 +8,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_sparse_mla._vma import fori_loop
+from jax_sparse_mla._vma import fori_loop, sum_like
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -53,14 +53,29 @@ def attend_tiles(
       o [R, G, M, Dv] float32 (normalized; 0 where no key is valid) and
       lse [R, G, M] float32 (natural log of the sum of exp(scores); -inf where no key is valid).
     """
-    load, consts = jax.closure_convert(load_tile, jnp.int32(0))
-    if any(jnp.issubdtype(c.dtype, jnp.inexact) for c in consts):
+    load, consts = _hoisted(load_tile)
+    if any(isinstance(c, jax.core.Tracer) and jnp.issubdtype(c.dtype, jnp.inexact) for c in consts):
         raise NotImplementedError(
             "attend_tiles: load_tile closes over a differentiated float array; pass scales "
             "through sm_scale or apply them to the output"
         )
     n = jnp.asarray(num_tiles, jnp.int32)
     return _attend(load, q, jnp.asarray(sm_scale, jnp.float32), n, *consts)
+
+
+def _hoisted(load_tile: Callable[[jax.Array], KeyTile]):
+    """``load_tile`` as a pure function ``load(t, *consts)`` and every array it closes over.
+
+    All of them are hoisted, integer index arrays included (``jax.closure_convert`` keeps those
+    in the closure): the custom VJP's backward pass may run outside the trace that made them
+    (``jax.grad`` of a ``shard_map``), so it must get them as arguments."""
+    closed, shape = jax.make_jaxpr(load_tile, return_shape=True)(jnp.int32(0))
+    tree = jax.tree.structure(shape)
+
+    def load(t, *consts):
+        return jax.tree.unflatten(tree, jax.core.eval_jaxpr(closed.jaxpr, consts, t))
+
+    return load, closed.consts
 
 
 def _scores(q, tile: KeyTile, sm_scale):
@@ -135,7 +150,8 @@ def _attend_bwd(load, res, cts):
         return dq + jnp.einsum("rgmt,rtgd->rgmd", p * (dp - delta), k, precision=_HIGHEST)
 
     dq = fori_loop(0, num_tiles, step, jnp.zeros_like(q))
-    return (dq * sm_scale, jnp.sum(q * dq), None, *(None for _ in consts))
+    d_scale = sum_like(jnp.sum(q * dq), sm_scale)
+    return (sum_like(dq * sm_scale, q), d_scale, None, *(None for _ in consts))
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
