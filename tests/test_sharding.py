@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
         "mla_decode",
         "ultraquant",
         "lowering",
+        "pallas_interpret_refused",
         "gradients_xla",
         "gradients_gfx950_emulation",
     ],

@@ -63,12 +63,23 @@ def call(
     def run(*args):
         shapes = jax.tree.map(lambda s: out_struct(s.shape, s.dtype, *args), out_shape)
         if interpret and varying_axes(*args):
-            return jax.pure_callback(
-                jax.jit(pallas(out_shape)), shapes, *args, vmap_method="sequential"
-            )
+            # Pallas' interpreter cannot lower a kernel over values that vary across mesh axes,
+            # and running it in a host callback deadlocks XLA:CPU (the callback's computation
+            # waits for the devices that wait for the callback). Fail clearly instead, at run
+            # time: this branch is traced, but never lowered, when the target is a CUDA GPU.
+            return jax.pure_callback(_interpret_under_shard_map, shapes, *args)
         return pallas(shapes)(*vary_like(args, *args))
 
     return run
+
+
+def _interpret_under_shard_map(*_):
+    raise NotImplementedError(
+        "jax_sparse_mla: implementation='pallas' in Pallas interpret mode (no CUDA GPU) cannot run "
+        "inside jax.shard_map on values that vary across mesh axes; use implementation='xla' or "
+        "'gfx950_emulation' there (None picks 'xla'), or run on a CUDA GPU, where the kernel is "
+        "compiled"
+    )
 
 
 def widen_offsets(x):
