@@ -85,15 +85,26 @@ def _from_bytes(b: jax.Array, dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(b.reshape(*b.shape[:-1], b.shape[-1] // size, size), dtype)
 
 
-def _e4m3_codes(x: jax.Array) -> jax.Array:
-    """float32 -> e4m3fn bytes, round to nearest even, saturated to ±448 (XLA does not saturate)."""
+def _e4m3_codes(x: jax.Array, source: jax.Array) -> jax.Array:
+    """float32 ``x`` -> e4m3fn bytes, round to nearest even, saturated to ±448 (XLA does not
+    saturate). Where ``source`` (the value ``x`` was computed from) is NaN the code is 0x7F, or
+    0xFF when its sign bit is set: fixed here, since arithmetic on NaN keeps no sign on GPUs."""
     y = jnp.clip(x, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-    return jax.lax.bitcast_convert_type(y, jnp.uint8)
+    codes = jax.lax.bitcast_convert_type(y, jnp.uint8)
+    nan_code = jnp.where(jnp.signbit(source), jnp.uint8(0xFF), jnp.uint8(0x7F))
+    return jnp.where(jnp.isnan(source), nan_code, codes)
 
 
 def _rope_bf16(rope: jax.Array) -> jax.Array:
-    """The rope as bf16: copied when it already is bf16, else rounded to nearest even."""
-    return rope if rope.dtype == jnp.bfloat16 else rope.astype(jnp.float32).astype(jnp.bfloat16)
+    """The rope as bf16: copied when it already is bf16, else rounded to nearest even; a NaN
+    becomes the quiet NaN of its top 16 bits (sign and payload kept, as on the CPU; GPUs would
+    give their canonical NaN)."""
+    if rope.dtype == jnp.bfloat16:
+        return rope
+    r = rope.astype(jnp.float32)
+    quiet = ((_f32_bits(r) >> 16) | 0x0040).astype(jnp.uint16)
+    bits = jax.lax.bitcast_convert_type(r.astype(jnp.bfloat16), jnp.uint16)
+    return jax.lax.bitcast_convert_type(jnp.where(jnp.isnan(r), quiet, bits), jnp.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +164,7 @@ def _pack_records(latent: jax.Array, rope: jax.Array) -> jax.Array:
     lat = latent.astype(jnp.float32)
     scales = fp8_ds_mla_scales(lat)
     scaled = lat / jnp.repeat(scales, SCALE_BLOCK, axis=-1)
-    codes = _e4m3_codes(jnp.where(jnp.isinf(lat), lat, scaled))  # not inf x 2^-127 (flushed 0)
+    codes = _e4m3_codes(jnp.where(jnp.isinf(lat), lat, scaled), lat)  # not inf x 2^-127 (0)
     return jnp.concatenate([codes, _to_bytes(scales), _to_bytes(_rope_bf16(rope))], axis=-1)
 
 
@@ -268,7 +279,7 @@ def concat_and_cache_mla(
     s = check_scalar(op, "scale", scale)
     cache, latent, rope, slot_mapping = as_jax(cache, latent, rope, slot_mapping)
     x = jnp.concatenate([latent.astype(jnp.float32), rope.astype(jnp.float32)], axis=-1)
-    codes = _e4m3_codes(x / s)
+    codes = _e4m3_codes(x / s, x)
     if cache.dtype == jnp.float8_e4m3fn:
         codes = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
     return _scatter_rows(cache, slot_mapping, codes)

@@ -362,7 +362,14 @@ def check_lowering() -> None:
                     *a, mesh=m, heads="tp", rows="dp", implementation=impl
                 )
 
-            text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+            try:
+                lowered = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,))
+            except RuntimeError as e:  # jax >= 0.11 lowers Pallas for CUDA only beside a GPU
+                if "No supported GPU devices" not in str(e):
+                    raise
+                print(f"lowering for {platform} [{impl}] skipped: jax needs a GPU for it")
+                continue
+            text = lowered.as_text()
             assert target in text, (platform, impl)
             assert not re.search(r"all_gather|all_reduce|all_to_all|collective_permute", text), (
                 platform,

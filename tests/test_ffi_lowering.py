@@ -344,12 +344,8 @@ def test_gfx950_without_the_library_falls_back_or_says_so(rocm_devices, monkeypa
 
 
 def installed_library() -> ctypes.CDLL:
-    if ffi.library_path() is None:
-        try:
-            build_lib.compiler()
-        except RuntimeError as e:
-            pytest.skip(f"the FFI library is not built: {e}")
-        pytest.fail("pip install found a C++ compiler but left no FFI library (see setup.py)")
+    if ffi.library_path() is None:  # a default install is pure Python (BUILD.md)
+        pytest.skip(f"the FFI library is not built: {ffi.BUILD_COMMAND}")
     return ffi.rocm_library()
 
 

@@ -447,7 +447,8 @@ def _non_finite_latent(r, dtype):
     lat[2, 500] = -NAN  # a negative NaN
     rope = C.random_rope(r, 4)
     rope[0, :3] = [INF, -INF, NAN]
-    return jnp.asarray(lat).astype(dtype), jnp.asarray(rope).astype(dtype)
+    # converted on the host: a GPU's f32 -> bf16 conversion would drop the NaN's sign and payload
+    return jnp.asarray(lat.astype(dtype)), jnp.asarray(rope.astype(dtype))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

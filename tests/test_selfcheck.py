@@ -113,17 +113,23 @@ def lower_once(expect_warning: str | None):
 # ---------------------------------------------------------------------------------------------
 
 
+def _jax_sees() -> str:
+    """What the messages report of this machine, e.g. "cpu (cpu)" or "gpu (NVIDIA H200), ..."."""
+    return ", ".join(f"{d.platform} ({d.device_kind})" for d in jax.devices())
+
+
 def test_selfcheck_without_gfx950_says_so_and_runs_nothing(capsys):
     assert jsm.selfcheck() == {}
     out = capsys.readouterr().out
-    assert "no gfx950 (MI355) ROCm device, nothing was run; jax sees: cpu (cpu)" in out
+    assert f"no gfx950 (MI355) ROCm device, nothing was run; jax sees: {_jax_sees()}" in out
     assert "pip install '.[rocm]'" in out
 
 
 def test_emulation_in_place_of_the_kernels_passes_and_prints_the_table(capsys):
     results = jsm.selfcheck("gfx950_emulation")
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "jax_sparse_mla self-check: gfx950_emulation vs gfx950_emulation on cpu"
+    header = "jax_sparse_mla self-check: gfx950_emulation vs gfx950_emulation on "
+    assert lines[0] == header + jax.devices()[0].device_kind
     assert lines[1].split() == ["kernel", "case", "worst", "err/bound", "verdict"]
     assert lines[-1] == "3 of 3 kernel families passed"
     assert sorted(results) == ["mla_decode", "sparse_mla", "ultraquant"]
@@ -284,7 +290,7 @@ def test_gfx950_marker_without_an_mi355_fails_saying_what_jax_sees(tmp_path):
     assert run.returncode == 1, run.stdout + run.stderr
     assert (
         "-m gfx950 asks for the MI355 tests, but jax "
-        f"{jax.__version__} sees no gfx950 ROCm device: jax.devices() = cpu (cpu)"
+        f"{jax.__version__} sees no gfx950 ROCm device: jax.devices() = {_jax_sees()}"
     ) in run.stdout
     assert "pip install -e '.[rocm,test]'" in run.stdout
     assert "passed" not in run.stdout
