@@ -190,7 +190,7 @@ def uq_rotate_exact(k) -> np.ndarray:
 
 
 def uq_unrotate(rot) -> np.ndarray:
-    """Rotated K [..., 256] (stored order) -> original space, float64."""
+    """Rotated K [..., 256] (natural column order, as stored) -> original space, float64."""
     return np.asarray(rot, dtype=np.float64) @ H256_ORTHO
 
 
