@@ -513,31 +513,35 @@ def test_kernel_layout():
             np.testing.assert_allclose(acc, want_o[t[:, None], lat], rtol=1e-12, atol=1e-300)
 
 
-def causal_nan_case(qlen: int, dims: slice):
+def causal_nan_case(qlen: int, dims: slice, last_only: bool = False):
     """A decode case whose boundary keys ``j > seq_len - qlen`` (hidden from position 0, seen by
-    the last position) hold NaN codes in ``dims`` (latents: V and K; rope: K only)."""
+    the last position) hold NaN codes in ``dims`` (latents: V and K; rope: K only); with
+    ``last_only`` only key ``seq_len - 1``, seen by the last position alone."""
     case = C.decode_case(seed=40 + qlen, seq_lens=(5, 130, 300), qlen=qlen, h=4, as_uint8=True)
     codes = np.array(case.kv_codes, copy=True)
     indptr = np.asarray(case.kv_indptr)
     for r in range(len(indptr) - 1):
         seq = int(indptr[r + 1] - indptr[r])
-        for j in range(seq - qlen + 1, seq):
+        for j in range(seq - 1 if last_only else seq - qlen + 1, seq):
             codes[case.kv_indices[indptr[r] + j], dims] = 0x7F
     case.kv_codes, case.kv = codes, jnp.asarray(codes)
     return case
 
 
+@pytest.mark.parametrize("last_only", [False, True], ids=["boundary", "last"])
 @pytest.mark.parametrize("qlen", [2, 4])
 @pytest.mark.parametrize("dims", [slice(3, 9), slice(540, 545)], ids=["latent", "rope"])
-def test_causal_hidden_nan_key(qlen, dims):
+def test_causal_hidden_nan_key(qlen, dims, last_only):
     """Causal rule: a key hidden from a row contributes nothing to it, NaN codes included (the
     row's partial is within the bound of the float64 oracle, which never reads the key); a row
     that sees a NaN key gets NaN o and lse in that split's partial, not an empty partial."""
-    case = causal_nan_case(qlen, dims)
+    case = causal_nan_case(qlen, dims, last_only)
     num_splits = 2
     ref, ref_lse, tol, lse_tol = expected_partials(case, num_splits)
     seen = np.isnan(ref_lse)
     assert seen.any() and not seen[0::qlen].any()  # rows r * qlen (position 0) see no NaN key
+    if last_only:  # the middle positions hide the NaN key too
+        assert not np.delete(seen, np.s_[qlen - 1 :: qlen], axis=0).any()
     out, lse = run_partials(case, num_splits)
     assert np.all(np.isnan(out[seen])) and np.all(np.isnan(lse[seen]))
 
