@@ -84,6 +84,16 @@ def is_gfx950(device) -> bool:
     return "gfx950" in names or "mi35" in names
 
 
+def gfx950_devices() -> list:
+    """This process's MI350-series (gfx950) ROCm devices."""
+    return [d for d in rocm_devices() if is_gfx950(d)]
+
+
+def devices_seen() -> str:
+    """What jax sees here, for messages: e.g. "cpu (cpu)" or "gpu (NVIDIA H200), ..."."""
+    return ", ".join(f"{d.platform} ({d.device_kind})" for d in jax.devices())
+
+
 @functools.cache
 def flydsl_available() -> bool:
     """Whether ``implementation=None`` may pick the FlyDSL kernels for a ROCm lowering.

@@ -392,10 +392,6 @@ def format_table(results: dict[str, FamilyResult], implementation: str) -> str:
     )
 
 
-def _jax_sees() -> str:
-    return ", ".join(f"{d.platform} ({d.device_kind})" for d in jax.devices())
-
-
 def selfcheck(implementation: str = "flydsl", *, file=None) -> dict[str, FamilyResult]:
     """Runs every kernel family's self-check cases and prints a table (kernel, case, worst
     |kernel - emulation| / bound, verdict) to ``file`` (default stdout).
@@ -410,12 +406,12 @@ def selfcheck(implementation: str = "flydsl", *, file=None) -> dict[str, FamilyR
     """
     out = sys.stdout if file is None else file
     if implementation == "flydsl":
-        gfx950 = [d for d in _platform.rocm_devices() if _platform.is_gfx950(d)]
+        gfx950 = _platform.gfx950_devices()
         if not gfx950:
             print(
                 "jax_sparse_mla self-check: no gfx950 (MI355) ROCm device, nothing was run; "
-                f"jax sees: {_jax_sees()}. The FlyDSL kernels need an MI355 with the ROCm jax "
-                "plugin (pip install '.[rocm]', see README)",
+                f"jax sees: {_platform.devices_seen()}. The FlyDSL kernels need an MI355 with the "
+                "ROCm jax plugin (pip install '.[rocm]', see README)",
                 file=out,
             )
             return {}

@@ -12,7 +12,7 @@ import re
 import jax
 import pytest
 
-from jax_sparse_mla._platform import is_gfx950
+from jax_sparse_mla._platform import devices_seen, gfx950_devices
 
 
 @functools.cache
@@ -20,11 +20,11 @@ def _platforms() -> frozenset:
     found = set()
     for name in ("cuda", "rocm"):
         try:
-            devices = jax.devices(name)
+            jax.devices(name)
         except RuntimeError:
             continue
         found.add(name)
-        if name == "rocm" and any(is_gfx950(d) for d in devices):
+        if name == "rocm" and gfx950_devices():
             found.add("gfx950")
     return frozenset(found)
 
@@ -35,11 +35,11 @@ def _gfx950_requested(config) -> bool:
 
 
 def _no_gfx950_message() -> str:
-    seen = ", ".join(f"{d.platform} ({d.device_kind})" for d in jax.devices())
     return (
         f"-m gfx950 asks for the MI355 tests, but jax {jax.__version__} sees no gfx950 ROCm "
-        f"device: jax.devices() = {seen}. On an MI355 install the ROCm jax plugin that matches "
-        "jax (pip install -e '.[rocm,test]', see README, MI355) and check rocminfo | grep gfx950"
+        f"device: jax.devices() = {devices_seen()}. On an MI355 install the ROCm jax plugin that "
+        "matches jax (pip install -e '.[rocm,test]', see README, MI355) and check "
+        "rocminfo | grep gfx950"
     )
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
-from jax_sparse_mla._platform import cuda_is_hopper, is_gfx950
+from jax_sparse_mla._platform import cuda_is_hopper, gfx950_devices
 from jax_sparse_mla.ffi.calls import default_num_partitions, default_num_splits
 from tests import cases as C
 from tests import oracle as O
@@ -41,10 +41,7 @@ GFX950 = ("gfx950_emulation", "flydsl")  # share the emulation's bounds
 
 @functools.cache
 def has_gfx950() -> bool:
-    try:
-        return any(is_gfx950(d) for d in jax.devices("rocm"))
-    except RuntimeError:
-        return False
+    return bool(gfx950_devices())
 
 
 @functools.cache

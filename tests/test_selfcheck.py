@@ -10,7 +10,6 @@ for ROCm then shows which implementation was chosen.
 from __future__ import annotations
 
 import ctypes
-import functools
 import importlib
 import json
 import subprocess
@@ -25,6 +24,7 @@ import pytest
 import jax_sparse_mla as jsm
 from jax_sparse_mla import _platform, ffi, self_check
 from jax_sparse_mla._build import build_lib
+from tests.impls import has_gfx950
 from tests.test_ffi_lowering import FakeDevice, jsm_targets, sparse_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,15 +113,13 @@ def lower_once(expect_warning: str | None):
 # ---------------------------------------------------------------------------------------------
 
 
-def _jax_sees() -> str:
-    """What the messages report of this machine, e.g. "cpu (cpu)" or "gpu (NVIDIA H200), ..."."""
-    return ", ".join(f"{d.platform} ({d.device_kind})" for d in jax.devices())
-
-
 def test_selfcheck_without_gfx950_says_so_and_runs_nothing(capsys):
     assert jsm.selfcheck() == {}
     out = capsys.readouterr().out
-    assert f"no gfx950 (MI355) ROCm device, nothing was run; jax sees: {_jax_sees()}" in out
+    assert (
+        f"no gfx950 (MI355) ROCm device, nothing was run; jax sees: {_platform.devices_seen()}"
+        in out
+    )
     assert "pip install '.[rocm]'" in out
 
 
@@ -278,26 +276,21 @@ def run_pytest(tmp_path, *args):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
-@functools.cache
-def _has_gfx950() -> bool:
-    return any(_platform.is_gfx950(d) for d in _platform.rocm_devices())
-
-
 def test_gfx950_marker_without_an_mi355_fails_saying_what_jax_sees(tmp_path):
-    if _has_gfx950():
+    if has_gfx950():
         pytest.skip("this machine has an MI355")
     run = run_pytest(tmp_path, "-m", "gfx950")
     assert run.returncode == 1, run.stdout + run.stderr
     assert (
         "-m gfx950 asks for the MI355 tests, but jax "
-        f"{jax.__version__} sees no gfx950 ROCm device: jax.devices() = {_jax_sees()}"
+        f"{jax.__version__} sees no gfx950 ROCm device: jax.devices() = {_platform.devices_seen()}"
     ) in run.stdout
     assert "pip install -e '.[rocm,test]'" in run.stdout
     assert "passed" not in run.stdout
 
 
 def test_without_the_marker_gfx950_tests_skip_saying_why(tmp_path):
-    if _has_gfx950():
+    if has_gfx950():
         pytest.skip("this machine has an MI355")
     run = run_pytest(tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
