@@ -1,0 +1,902 @@
+"""Time every implementation of each op on this machine, and FlashMLA on the same data.
+
+    python benchmarks/bench.py [--ops sparse_mla,mla_decode,ultraquant_decode]
+        [--implementations xla,pallas,... | all] [--quick] [--samples 20] [--sample-ms 50]
+        [--l2-flush] [--profiler] [--no-flashmla] [--json PATH]
+
+Implementations: by default every name in the op's implementation table that runs natively on
+this machine: "xla" everywhere; "pallas" and "mosaic" on CUDA; "flydsl" on gfx950; other names
+(kernels added later) on any GPU; never an emulation ("gfx950_emulation") nor Pallas interpret
+mode. On the CPU that leaves "xla". ``--implementations`` names them (a name an op lacks is
+skipped for that op; "all" = the whole table).
+
+Timing: each case is jitted and called back to back (asynchronous dispatch keeps the device
+queue full); one sample = wall time of a batch of calls / calls, the batch sized to about
+``--sample-ms``; the table and JSON give the median and the spread (min, p10, p25, p75, p90,
+max) over ``--samples`` (>= 10) samples. ``--l2-flush``: before every call a buffer of
+``--l2-flush-mib`` MiB (default 256, > the 60 MB L2) is read and written (``b + 1``, donated);
+each sample then pairs a batch of (flush, call) with a batch of flushes alone, run right after
+it, and is (paired time - flush-alone time) / calls. Short kernels are then noisy (the
+difference of two larger numbers; a sample can even come out negative), and the flush leaves
+dirty lines in L2 whose write-back the next call may pay. ``--profiler`` (jax implementations
+only): also captures ``jax.profiler`` device timestamps of ``max(samples, 20)`` calls and reports
+the spread of the per-call "XLA Modules" event durations on the GPU plane (flush modules are
+excluded by name); on a machine without a device plane (CPU) the row says why there is none.
+
+"bytes" counts what must be read or written once: the records / cache rows each query row
+attends to (per row: sparse_mla rows do not share their reads), q and the output; "FLOPs" the
+two matmuls (q.K over the 576 dims, P.V over the 512). "copy" is the device-to-device copy
+bandwidth (read + write of ``a + 1`` on a 2 GiB buffer) measured in the same run.
+
+FlashMLA: when ``import flash_mla`` works (torch and FlashMLA built for this GPU, e.g. by the
+build script kept outside the repository), every sparse_mla case also runs FlashMLA's sparse fp8
+decode (``flash_mla_with_kvcache(..., is_fp8_kvcache=True, indices=...)``, written against
+FlashMLA's interface of 2026-04 (commit 9241ae3)) on the same bytes: the fp8_ds_mla records are
+FlashMLA's 656-byte V3.2 layout, handed over by DLPack without a copy as a [blocks, 64, 1, 656]
+uint8 cache, q as [n_q, 1, H, 576] bf16 (batch = query row, s_q = 1) and the indices as
+[n_q, 1, topk] int32. FlashMLA takes 64 or 128 query heads only: fewer are padded with zero
+heads (the row says so; its bytes and FLOPs still count the real heads). It is timed the same
+way (``torch.cuda.synchronize``; the scheduling metadata is made by the warm-up call and reused,
+as in a decode loop), without ``--profiler``, and its output and lse are compared with the
+reference implementation's (max abs difference). Every jax implementation is compared with the
+reference too: "xla" when it runs, else the first implementation.
+
+The JSON (``--json``) holds the versions (python, jax, jaxlib, the jax plugins, torch and
+flash_mla when loaded), the devices, the GPU name and driver (nvidia-smi), the git commit and
+whether the work tree is dirty, the command line, the settings, the copy bandwidth and every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import glob
+import importlib
+import importlib.metadata
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_sparse_mla as jsm
+
+REPO = Path(__file__).resolve().parents[1]
+OPS = ("sparse_mla", "mla_decode", "ultraquant_decode")
+OP_MODULES = {
+    "sparse_mla": "jax_sparse_mla.sparse_mla",
+    "mla_decode": "jax_sparse_mla.mla_decode",
+    "ultraquant_decode": "jax_sparse_mla.ultraquant",
+}
+# Where an implementation is compiled for the hardware (None: everywhere). Names not listed
+# run natively on any GPU; emulations and interpret modes never count as native.
+NATIVE_ON = {"xla": None, "pallas": {"cuda"}, "mosaic": {"cuda"}, "flydsl": {"gfx950"}}
+MAX_CALLS = 2000
+FLASHMLA_HEADS = (64, 128)
+RECORD_BYTES = 656
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    records: int
+    topk: int
+    sparse: tuple[tuple[int, int], ...]  # (n_q, H)
+    decode_batches: tuple[int, ...]
+    decode_seqs: tuple[int, ...]
+    decode_qlens: tuple[int, ...]
+    decode_heads: int
+    uq_batches: tuple[int, ...]
+    uq_seq: int
+    uq_kv_heads: int
+    uq_group: int
+    uq_pool_blocks: int
+    copy_mib: int
+
+
+FULL = Shapes(
+    records=200_000,
+    topk=2048,
+    sparse=tuple((n_q, h) for n_q in (1, 32, 128, 1024) for h in (16, 128)) + ((256, 128),),
+    decode_batches=(1, 32, 128),
+    decode_seqs=(8192, 32768),
+    decode_qlens=(1, 2),
+    decode_heads=12,
+    uq_batches=(1, 32, 128),
+    uq_seq=32768,
+    uq_kv_heads=8,
+    uq_group=8,
+    uq_pool_blocks=2048,
+    copy_mib=2048,
+)
+QUICK = Shapes(
+    records=4096,
+    topk=64,
+    sparse=((1, 16), (4, 16)),
+    decode_batches=(2,),
+    decode_seqs=(256,),
+    decode_qlens=(1, 2),
+    decode_heads=12,
+    uq_batches=(2,),
+    uq_seq=256,
+    uq_kv_heads=8,
+    uq_group=8,
+    uq_pool_blocks=8,
+    copy_mib=16,
+)
+PAGE = 64  # mla_decode pages and UltraQuant blocks: 64 tokens
+
+
+@dataclasses.dataclass
+class Case:
+    op: str
+    name: str
+    params: dict
+    fn: Callable  # fn(*args, implementation=...) -> outputs
+    args: tuple
+    nbytes: int
+    flops: int
+    flashmla: dict | None = None  # sparse_mla: q, kv, topk_idx [n_q, topk], sm_scale
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------------
+
+
+def _fp8_codes(key, shape):
+    """Random finite e4m3fn codes (0x7F / 0xFF, the NaN codes, become 0x7E / 0xFE) as uint8."""
+    bits = jax.random.bits(key, shape, jnp.uint8)
+    return jnp.where(bits & 0x7F == 0x7F, bits - 1, bits)
+
+
+def _as_bytes(x):
+    return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(x.shape[0], -1)
+
+
+def _q(key, shape):
+    return jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+
+
+def sparse_mla_cases(key, s: Shapes) -> Iterator[Case]:
+    k = jax.random.split(key, 4)
+    scales = jnp.full((s.records, 4), 2.0**-4, jnp.float32)
+    rope = jax.random.normal(k[1], (s.records, 64), jnp.float32).astype(jnp.bfloat16)
+    records = jnp.concatenate(
+        [_fp8_codes(k[0], (s.records, 512)), _as_bytes(scales), _as_bytes(rope)], axis=1
+    )
+    sm_scale = 576**-0.5
+    for n_q, h in s.sparse:
+        q = _q(k[2], (n_q, h, 576))
+        topk_idx = jax.random.randint(k[3], (n_q, s.topk), 0, s.records, jnp.int32)
+        idx, indptr = jsm.dense_to_csr(topk_idx)
+        yield Case(
+            op="sparse_mla",
+            name=f"n_q={n_q} H={h} topk={s.topk}",
+            params={"n_q": n_q, "H": h, "topk": s.topk, "records": s.records},
+            fn=functools.partial(jsm.sparse_mla, sm_scale=sm_scale, return_lse=True),
+            args=(q, records, idx, indptr),
+            nbytes=n_q * s.topk * RECORD_BYTES + q.nbytes + n_q * h * (512 * 2 + 4),
+            flops=2 * n_q * h * s.topk * (576 + 512),
+            flashmla={"q": q, "kv": records, "topk_idx": topk_idx, "sm_scale": sm_scale},
+        )
+
+
+def mla_decode_cases(key, s: Shapes) -> Iterator[Case]:
+    k = jax.random.split(key, 3)
+    heads = s.decode_heads
+    for b in s.decode_batches:
+        for seq in s.decode_seqs:
+            tokens = b * seq
+            cache = _fp8_codes(k[0], (tokens, 576))
+            pages = jax.random.permutation(k[1], tokens // PAGE)  # pages in random order
+            kv_indices = (pages[:, None] * PAGE + jnp.arange(PAGE)).reshape(-1).astype(jnp.int32)
+            kv_indptr = jnp.arange(b + 1, dtype=jnp.int32) * seq
+            for qlen in s.decode_qlens:
+                q = _q(k[2], (b * qlen, heads, 576))
+                yield Case(
+                    op="mla_decode",
+                    name=f"B={b} seq={seq} qlen={qlen} H={heads}",
+                    params={"B": b, "seq": seq, "qlen": qlen, "H": heads},
+                    fn=functools.partial(
+                        jsm.mla_decode, qlen=qlen, k_scale=0.02, v_scale=0.03, return_lse=True
+                    ),
+                    args=(q, cache, kv_indices, kv_indptr),
+                    nbytes=tokens * 576
+                    + kv_indices.nbytes
+                    + q.nbytes
+                    + q.shape[0] * heads * (512 * 2 + 4),
+                    flops=2 * b * qlen * heads * seq * (576 + 512),
+                )
+            del cache
+
+
+def ultraquant_cases(key, s: Shapes) -> Iterator[Case]:
+    k = jax.random.split(key, 4)
+    seq, hk, g = s.uq_seq, s.uq_kv_heads, s.uq_group
+    for b in s.uq_batches:
+        blocks = b * seq // PAGE
+        pool = min(blocks, s.uq_pool_blocks)  # random blocks, tiled: random bits are slow to make
+        codes = jax.random.bits(k[0], (pool, PAGE, hk, 2, 128), jnp.uint8)
+        scales = jax.random.randint(k[1], (pool, PAGE, hk, 2, 8), 120, 131).astype(jnp.uint8)
+        cache = jnp.concatenate([codes, scales], axis=-1).reshape(pool, PAGE, hk, 272)
+        cache = jnp.tile(cache, (-(-blocks // pool), 1, 1, 1))[:blocks]
+        del codes, scales
+        tables = jax.random.permutation(k[2], blocks).reshape(b, -1).astype(jnp.int32)
+        seq_lens = jnp.full((b,), seq, jnp.int32)
+        q = _q(k[3], (b, hk * g, 256))
+        yield Case(
+            op="ultraquant_decode",
+            name=f"B={b} seq={seq} Hk={hk} G={g}",
+            params={"B": b, "seq": seq, "Hk": hk, "G": g},
+            fn=jsm.ultraquant_decode,
+            args=(q, cache, tables, seq_lens),
+            nbytes=b * seq * hk * 272 + tables.nbytes + 2 * q.nbytes,
+            flops=2 * b * hk * g * seq * 512,
+        )
+        del cache
+
+
+CASES = {
+    "sparse_mla": sparse_mla_cases,
+    "mla_decode": mla_decode_cases,
+    "ultraquant_decode": ultraquant_cases,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Which implementations
+# ---------------------------------------------------------------------------------------------
+
+
+def table_implementations(op: str) -> list[str]:
+    """The names in the op's implementation table (``implementation=None`` left out)."""
+    table = importlib.import_module(OP_MODULES[op])._IMPLEMENTATIONS
+    return [name for name in table if name is not None]
+
+
+def machine_platforms() -> set[str]:
+    """{"cpu"} plus "cuda", "rocm" and "gfx950" where jax has such devices."""
+    found = {"cpu"}
+    for name in ("cuda", "rocm"):
+        try:
+            jax.devices(name)
+        except RuntimeError:
+            continue
+        found.add(name)
+    if "rocm" in found:
+        from jax_sparse_mla._platform import gfx950_devices
+
+        if gfx950_devices():
+            found.add("gfx950")
+    return found
+
+
+def runs_natively(name: str, platforms: set[str]) -> bool:
+    if "emulation" in name or "interpret" in name:
+        return False
+    where = NATIVE_ON.get(name, {"cuda", "rocm"})
+    return where is None or bool(where & platforms)
+
+
+def implementations_for(op: str, requested: list[str] | None, platforms: set[str]) -> list[str]:
+    table = table_implementations(op)
+    if requested is None:
+        return [name for name in table if runs_natively(name, platforms)]
+    if requested == ["all"]:
+        return table
+    return [name for name in requested if name in table]
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+
+
+class JaxFlush:
+    """Reads and writes a buffer larger than L2 (``b + 1``, donated) before each timed call."""
+
+    def __init__(self, mib: int):
+        self.buf = jnp.zeros((mib * 2**20 // 4,), jnp.uint32)
+
+        def l2_flush_buffer(b):
+            return b + 1
+
+        self.fn = jax.jit(l2_flush_buffer, donate_argnums=0)
+        self.run()
+        self.sync()
+
+    def run(self):
+        self.buf = self.fn(self.buf)
+
+    def sync(self):
+        jax.block_until_ready(self.buf)
+
+
+class TorchFlush:
+    def __init__(self, torch, mib: int, device):
+        self.torch = torch
+        self.buf = torch.zeros((mib * 2**20 // 4,), dtype=torch.int32, device=device)
+        self.is_cuda = self.buf.is_cuda
+
+    def run(self):
+        self.buf.add_(1)
+
+    def sync(self):
+        if self.is_cuda:
+            self.torch.cuda.synchronize()
+
+
+def _batch(launch: Callable, sync: Callable, calls: int, flush=None) -> float:
+    """Wall seconds of ``calls`` back-to-back launches (each after a flush when given)."""
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(calls):
+        if flush is not None:
+            flush.run()
+        out = launch()
+    sync(out)
+    if flush is not None:
+        flush.sync()
+    return time.perf_counter() - t0
+
+
+def _flushes(flush, calls: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        flush.run()
+    flush.sync()
+    return time.perf_counter() - t0
+
+
+def sample_times(
+    launch: Callable, sync: Callable, *, samples: int, sample_s: float, flush=None
+) -> tuple[list[float], int]:
+    """Seconds per call, one value per sample, and the calls per sample. ``launch()`` enqueues
+    one call and returns its output; ``sync(out)`` waits for it. Warms up (compiles) first."""
+    sync(launch())
+    one = _batch(launch, sync, 1, flush)
+    calls = max(1, min(MAX_CALLS, int(sample_s / max(one, 1e-7))))
+    times = []
+    for _ in range(samples):
+        t = _batch(launch, sync, calls, flush)
+        if flush is not None:
+            t -= _flushes(flush, calls)
+        times.append(t / calls)
+    return times, calls
+
+
+def spread(times: list[float]) -> dict:
+    a = np.asarray(times, np.float64)
+    p = np.percentile(a, [10, 25, 50, 75, 90])
+    return {
+        "median_s": float(p[2]),
+        "min_s": float(a.min()),
+        "p10_s": float(p[0]),
+        "p25_s": float(p[1]),
+        "p75_s": float(p[3]),
+        "p90_s": float(p[4]),
+        "max_s": float(a.max()),
+    }
+
+
+def profile_device_times(launch: Callable, sync: Callable, module_name: str, calls: int, flush):
+    """Per-call device seconds from ``jax.profiler``: the "XLA Modules" events named
+    ``module_name`` on the device planes. Returns (times or None, why none)."""
+    with tempfile.TemporaryDirectory(prefix="bench_profile_") as tmp:
+        with jax.profiler.trace(tmp):
+            out = None
+            for _ in range(calls):
+                if flush is not None:
+                    flush.run()
+                out = launch()
+            sync(out)
+            if flush is not None:
+                flush.sync()
+        files = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            return None, "jax.profiler wrote no .xplane.pb"
+        data = jax.profiler.ProfileData.from_file(files[0])
+        durations = []
+        device_planes = 0
+        for plane in data.planes:
+            if not plane.name.startswith("/device:"):
+                continue
+            device_planes += 1
+            for line in plane.lines:
+                if line.name != "XLA Modules":
+                    continue
+                durations += [ev.duration_ns * 1e-9 for ev in line.events if module_name in ev.name]
+    if not durations:
+        where = f"{device_planes} device plane(s)" if device_planes else "no device plane (CPU?)"
+        return None, f"no 'XLA Modules' event named {module_name} ({where})"
+    return durations, ""
+
+
+# ---------------------------------------------------------------------------------------------
+# FlashMLA
+# ---------------------------------------------------------------------------------------------
+
+
+class FlashMLA:
+    """FlashMLA's sparse fp8 decode on a sparse_mla case's own arrays (DLPack, no copy)."""
+
+    def __init__(self, module, torch):
+        self.mla = module
+        self.torch = torch
+
+    @classmethod
+    def load(cls) -> tuple[FlashMLA | None, str]:
+        try:
+            import flash_mla
+            import torch
+        except Exception as e:  # ImportError, or a library that fails to load
+            return None, f"FlashMLA not importable: {type(e).__name__}: {e}"
+        return cls(flash_mla, torch), ""
+
+    def version(self) -> str:
+        return str(getattr(self.mla, "__version__", "?"))
+
+    def prepare(self, q, kv, topk_idx, sm_scale: float):
+        """(launch, sync, outputs(result) -> (out [n_q, H, 512], lse [n_q, H]), note)."""
+        torch = self.torch
+        from_dlpack = torch.utils.dlpack.from_dlpack
+        jax.block_until_ready((q, kv, topk_idx))
+        n_q, h, d = q.shape
+        heads = next((n for n in FLASHMLA_HEADS if h <= n), None)
+        if heads is None:
+            raise ValueError(f"FlashMLA takes at most {FLASHMLA_HEADS[-1]} query heads, not {h}")
+        tq = from_dlpack(q)
+        note = ""
+        if heads != h:
+            padded = torch.zeros((n_q, heads, d), dtype=tq.dtype, device=tq.device)
+            padded[:, :h] = tq
+            tq = padded
+            note = f"q padded {h} -> {heads} heads (FlashMLA: 64 or 128)"
+        tq = tq.reshape(n_q, 1, heads, d)
+        records = from_dlpack(kv.reshape(-1, RECORD_BYTES))
+        rows = records.shape[0]
+        block = next(b for b in (64, 32, 16, 8, 4, 2, 1) if rows % b == 0)
+        cache = records.view(rows // block, block, 1, RECORD_BYTES)  # index = block * 64 + slot
+        indices = from_dlpack(topk_idx).reshape(n_q, 1, topk_idx.shape[1])
+        meta, _ = self.mla.get_mla_metadata()
+        mla = self.mla
+
+        def launch():
+            return mla.flash_mla_with_kvcache(
+                tq,
+                cache,
+                None,  # block_table: unused with indices
+                None,  # cache_seqlens: unused with indices
+                512,  # head_dim_v
+                meta,
+                None,  # num_splits: must be None
+                softmax_scale=sm_scale,
+                causal=False,
+                is_fp8_kvcache=True,
+                indices=indices,
+            )
+
+        def sync(_):
+            if tq.is_cuda:
+                torch.cuda.synchronize()
+
+        def outputs(result):
+            out, lse = result  # [n_q, 1, heads, 512] bf16, [n_q, heads, 1] f32
+            return out[:, 0, :h], lse[:, :h, 0]
+
+        return launch, sync, outputs, note
+
+
+def _torch_max_abs_diff(torch, a, b) -> float:
+    """max |a - b| over arrays of the same shape (jax or torch), NaN when either has a NaN."""
+    from_dlpack = torch.utils.dlpack.from_dlpack
+    a = a if isinstance(a, torch.Tensor) else from_dlpack(a)
+    b = b if isinstance(b, torch.Tensor) else from_dlpack(b)
+    a, b = a.float(), b.to(a.device).float()
+    diff = (a - b).abs()
+    both_inf = torch.isinf(a) & torch.isinf(b) & (a == b)  # lse -inf of an empty row on both
+    diff = torch.where(both_inf, torch.zeros_like(diff), diff)
+    return float(diff.max().item()) if diff.numel() else 0.0
+
+
+def _jax_max_abs_diff(a, b) -> float:
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    diff = jnp.abs(a - b)
+    diff = jnp.where(jnp.isinf(a) & (a == b), 0.0, diff)
+    return float(jnp.max(diff)) if diff.size else 0.0
+
+
+def _out_lse(result):
+    """(out, lse or None) of an op's result."""
+    if isinstance(result, tuple):
+        return result[0], (result[1] if len(result) > 1 else None)
+    return result, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment
+# ---------------------------------------------------------------------------------------------
+
+
+def _run(cmd: list[str], cwd=None) -> tuple[str | None, str]:
+    try:
+        done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"{type(e).__name__}: {e}"
+    if done.returncode != 0:
+        return None, (done.stderr or done.stdout).strip()[:300]
+    return done.stdout.strip(), ""
+
+
+def gpu_info() -> dict:
+    fields = "name,driver_version,memory.total,clocks.max.sm,clocks.max.mem"
+    out, err = _run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"])
+    if out is None:
+        return {"nvidia_smi": None, "error": err}
+    gpus = []
+    for line in out.splitlines():
+        values = [v.strip() for v in line.split(",")]
+        gpus.append(dict(zip(fields.split(","), values, strict=False)))
+    return {"nvidia_smi": gpus, "error": ""}
+
+
+def git_info() -> dict:
+    head, err = _run(["git", "rev-parse", "HEAD"], cwd=REPO)
+    if head is None:
+        return {"head": None, "dirty": None, "error": err}
+    status, _ = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO)
+    return {"head": head, "dirty": bool(status) if status is not None else None, "error": ""}
+
+
+def plugin_versions() -> dict:
+    """Installed jax backend plugins (jax-cuda*-plugin / -pjrt, jax-rocm*-...) and versions."""
+    found = {}
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name.startswith(("jax-cuda", "jax-rocm", "jax-tpu", "libtpu")):
+            found[name] = dist.version
+    return dict(sorted(found.items()))
+
+
+def environment(flashmla: FlashMLA | None, flashmla_status: str) -> dict:
+    devices = jax.devices()
+    backend = {"name": jax.default_backend()}
+    try:
+        backend["platform_version"] = devices[0].client.platform_version
+    except Exception as e:  # the attribute moved between jax versions
+        backend["platform_version"] = f"unknown ({type(e).__name__})"
+    env = {
+        "python": sys.version.split()[0],
+        "python_full": sys.version,
+        "platform": platform.platform(),
+        "jax": jax.__version__,
+        "jaxlib": importlib.metadata.version("jaxlib"),
+        "jax_plugins": plugin_versions(),
+        "jax_sparse_mla": jsm.__version__,
+        "numpy": np.__version__,
+        "backend": backend,
+        "devices": [{"platform": d.platform, "kind": d.device_kind, "id": d.id} for d in devices],
+        "gpu": gpu_info(),
+        "git": git_info(),
+        "flashmla": flashmla_status or "loaded",
+    }
+    if flashmla is not None:
+        env["torch"] = flashmla.torch.__version__
+        env["torch_cuda"] = flashmla.torch.version.cuda
+        env["flash_mla"] = flashmla.version()
+        env["flash_mla_file"] = getattr(flashmla.mla, "__file__", None)
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows and the table
+# ---------------------------------------------------------------------------------------------
+
+
+COLUMNS = (
+    "| op | case | impl | median us | min us | p10 us | p90 us | max us | TB/s | % copy | "
+    "TFLOP/s | device us | max abs diff | note |"
+)
+
+
+def _us(seconds) -> str:
+    return "" if seconds is None or not math.isfinite(seconds) else f"{seconds * 1e6:.1f}"
+
+
+def markdown_row(row: dict) -> str:
+    if row.get("error"):
+        cells = [row["op"], row["case"], row["implementation"], *[""] * 10, row["error"][:200]]
+        return "| " + " | ".join(c.replace("|", "/").replace("\n", " ") for c in cells) + " |"
+    prof = row.get("profiler") or {}
+    diff = row.get("max_abs_diff")
+    cells = [
+        row["op"],
+        row["case"],
+        row["implementation"],
+        _us(row["median_s"]),
+        _us(row["min_s"]),
+        _us(row["p10_s"]),
+        _us(row["p90_s"]),
+        _us(row["max_s"]),
+        f"{row['bandwidth_Bps'] / 1e12:.3g}",
+        f"{row['pct_copy']:.0f}%",
+        f"{row['tflops']:.3g}",
+        _us(prof.get("median_s")),
+        "" if diff is None else f"{diff:.3g} vs {row['diff_vs']}",
+        row.get("note", ""),
+    ]
+    return "| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |"
+
+
+def make_row(case: Case, impl: str, source: str, times, calls, copy_bps: float, **extra) -> dict:
+    stats = spread(times)
+    median = stats["median_s"]
+    bps = case.nbytes / median if median > 0 else float("nan")
+    return {
+        "op": case.op,
+        "case": case.name,
+        "params": case.params,
+        "implementation": impl,
+        "source": source,
+        "calls_per_sample": calls,
+        "samples": len(times),
+        "samples_s": times,
+        **stats,
+        "bytes": case.nbytes,
+        "flops": case.flops,
+        "bandwidth_Bps": bps,
+        "pct_copy": 100 * bps / copy_bps,
+        "tflops": case.flops / median / 1e12 if median > 0 else float("nan"),
+        "profiler": None,
+        "max_abs_diff": None,
+        "lse_max_abs_diff": None,
+        "diff_vs": None,
+        "note": "",
+        "error": "",
+        **extra,
+    }
+
+
+def error_row(case: Case, impl: str, source: str, error: BaseException) -> dict:
+    return {
+        "op": case.op,
+        "case": case.name,
+        "params": case.params,
+        "implementation": impl,
+        "source": source,
+        "error": f"{type(error).__name__}: {error}".strip(),
+    }
+
+
+def _module_name(op: str, impl: str) -> str:
+    return "bench_" + "".join(c if c.isalnum() else "_" for c in f"{op}_{impl}")
+
+
+def jitted(case: Case, impl: str) -> Callable:
+    fn = functools.partial(case.fn, implementation=impl)
+
+    def call(*args):
+        return fn(*args)
+
+    call.__name__ = call.__qualname__ = _module_name(case.op, impl)
+    return jax.jit(call)
+
+
+def bench_case(case: Case, impls: list[str], ctx: dict) -> list[dict]:
+    args = ctx["args"]
+    rows = []
+    reference = None  # (impl, out, lse)
+    order = sorted(impls, key=lambda name: name != "xla")  # "xla" first: the reference
+    for impl in order:
+        try:
+            f = jitted(case, impl)
+            result = f(*case.args)
+            jax.block_until_ready(result)
+            out, lse = _out_lse(result)
+            del result
+
+            def launch(f=f):
+                return f(*case.args)
+
+            times, calls = sample_times(
+                launch,
+                jax.block_until_ready,
+                samples=args.samples,
+                sample_s=args.sample_ms / 1e3,
+                flush=ctx["jax_flush"],
+            )
+            row = make_row(case, impl, "jax_sparse_mla", times, calls, ctx["copy_bps"])
+            if reference is None:
+                reference = (impl, out, lse)
+            else:
+                row["diff_vs"] = reference[0]
+                row["max_abs_diff"] = _jax_max_abs_diff(out, reference[1])
+                if lse is not None and reference[2] is not None:
+                    row["lse_max_abs_diff"] = _jax_max_abs_diff(lse, reference[2])
+            if args.profiler:
+                device, why = profile_device_times(
+                    launch,
+                    jax.block_until_ready,
+                    _module_name(case.op, impl),
+                    max(args.samples, 20),
+                    ctx["jax_flush"],
+                )
+                row["profiler"] = (
+                    {**spread(device), "calls": len(device)} if device else {"error": why}
+                )
+        except Exception as e:  # one implementation failing must not stop the run
+            row = error_row(case, impl, "jax_sparse_mla", e)
+        rows.append(row)
+        print(markdown_row(row), flush=True)
+    if case.flashmla is not None and ctx["flashmla"] is not None:
+        row = bench_flashmla(case, reference, ctx)
+        rows.append(row)
+        print(markdown_row(row), flush=True)
+    return rows
+
+
+def bench_flashmla(case: Case, reference, ctx: dict) -> dict:
+    fm: FlashMLA = ctx["flashmla"]
+    args = ctx["args"]
+    try:
+        data = case.flashmla
+        launch, sync, outputs, note = fm.prepare(
+            data["q"], data["kv"], data["topk_idx"], data["sm_scale"]
+        )
+        result = launch()
+        sync(result)
+        out, lse = outputs(result)
+        times, calls = sample_times(
+            launch,
+            sync,
+            samples=args.samples,
+            sample_s=args.sample_ms / 1e3,
+            flush=ctx["torch_flush"](fm),
+        )
+        row = make_row(case, "flashmla", "flashmla", times, calls, ctx["copy_bps"], note=note)
+        if args.profiler:
+            row["profiler"] = {"error": "not measured for torch (wall-clock samples only)"}
+        if reference is not None:
+            row["diff_vs"] = reference[0]
+            row["max_abs_diff"] = _torch_max_abs_diff(fm.torch, out, reference[1])
+            if reference[2] is not None:
+                row["lse_max_abs_diff"] = _torch_max_abs_diff(fm.torch, lse, reference[2])
+        return row
+    except Exception as e:
+        return error_row(case, "flashmla", "flashmla", e)
+
+
+def copy_bandwidth(mib: int, samples: int, sample_s: float) -> float:
+    """Bytes per second of ``a + 1`` over a ``mib`` MiB buffer (read + write)."""
+    x = jnp.zeros((mib * 2**20 // 4,), jnp.uint32) + 1
+
+    def copy_bandwidth_probe(a):
+        return a + 1
+
+    f = jax.jit(copy_bandwidth_probe)
+    times, _ = sample_times(lambda: f(x), jax.block_until_ready, samples=samples, sample_s=sample_s)
+    return 2 * x.nbytes / spread(times)["median_s"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ops", default=",".join(OPS), help="comma list of " + ", ".join(OPS))
+    p.add_argument(
+        "--implementations",
+        default=None,
+        help="comma list, or 'all' (default: every implementation native to this machine)",
+    )
+    p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+    p.add_argument("--samples", type=int, default=None, help="samples per row (>= 10; 20)")
+    p.add_argument("--sample-ms", type=float, default=None, help="ms per sample (50; quick 2)")
+    p.add_argument("--l2-flush", action="store_true", help="flush L2 before every call")
+    p.add_argument("--l2-flush-mib", type=int, default=None, help="flush buffer (256; quick 16)")
+    p.add_argument("--profiler", action="store_true", help="also jax.profiler device times")
+    p.add_argument("--no-flashmla", action="store_true", help="skip FlashMLA even if importable")
+    p.add_argument("--json", default=None, help="write the environment and rows here")
+    args = p.parse_args(argv)
+    args.samples = args.samples if args.samples is not None else (10 if args.quick else 20)
+    if args.samples < 10:
+        p.error("--samples must be >= 10")
+    if args.sample_ms is None:
+        args.sample_ms = 2.0 if args.quick else 50.0
+    if args.l2_flush_mib is None:
+        args.l2_flush_mib = 16 if args.quick else 256
+    args.ops = [op for op in args.ops.split(",") if op]
+    unknown = [op for op in args.ops if op not in OPS]
+    if unknown:
+        p.error(f"unknown op(s) {unknown}; choose from {OPS}")
+    if args.implementations is not None:
+        args.implementations = [n for n in args.implementations.split(",") if n]
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    shapes = QUICK if args.quick else FULL
+    platforms = machine_platforms()
+    flashmla, flashmla_status = (None, "off (--no-flashmla)")
+    if not args.no_flashmla:
+        flashmla, flashmla_status = FlashMLA.load()
+        if flashmla is None:
+            print(flashmla_status)
+    copy_bps = copy_bandwidth(shapes.copy_mib, args.samples, args.sample_ms / 1e3)
+    env = environment(flashmla, flashmla_status)
+    dev = jax.devices()[0]
+    gpu = (env["gpu"]["nvidia_smi"] or [{}])[0]
+    print(
+        f"device: {dev.device_kind} ({jax.default_backend()}); jax {jax.__version__}; "
+        f"driver {gpu.get('driver_version', 'n/a')}; copy {copy_bps / 1e12:.3f} TB/s "
+        f"({shapes.copy_mib} MiB a + 1); {args.samples} samples of ~{args.sample_ms} ms"
+        + ("; L2 flushed before every call" if args.l2_flush else "")
+    )
+    ctx = {
+        "args": args,
+        "copy_bps": copy_bps,
+        "flashmla": flashmla,
+        "jax_flush": JaxFlush(args.l2_flush_mib) if args.l2_flush else None,
+        "torch_flush": (
+            (lambda fm: TorchFlush(fm.torch, args.l2_flush_mib, _torch_device(fm)))
+            if args.l2_flush
+            else (lambda fm: None)
+        ),
+    }
+    print(COLUMNS)
+    print("|" + " --- |" * 3 + " ---: |" * 10 + " --- |", flush=True)
+    rows = []
+    key = jax.random.key(0)
+    for op in args.ops:
+        impls = implementations_for(op, args.implementations, platforms)
+        missing = [n for n in (args.implementations or []) if n not in impls and n != "all"]
+        if missing:
+            print(f"({op} has no implementation {', '.join(missing)}: skipped)", flush=True)
+        for case in CASES[op](key, shapes):
+            rows += bench_case(case, impls, ctx)
+    report = {
+        "schema": 1,
+        "time_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv),
+        "argv": list(sys.argv) if argv is None else list(argv),
+        "environment": env,
+        "settings": {
+            "quick": args.quick,
+            "ops": args.ops,
+            "implementations": args.implementations or "native",
+            "samples": args.samples,
+            "sample_ms": args.sample_ms,
+            "max_calls_per_sample": MAX_CALLS,
+            "l2_flush": args.l2_flush,
+            "l2_flush_mib": args.l2_flush_mib if args.l2_flush else None,
+            "profiler": args.profiler,
+            "shapes": dataclasses.asdict(shapes),
+        },
+        "copy_bandwidth_Bps": copy_bps,
+        "rows": rows,
+    }
+    if args.json:
+        import json
+
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+        print(f"wrote {path}")
+    return report
+
+
+def _torch_device(fm: FlashMLA):
+    return "cuda" if fm.torch.cuda.is_available() else "cpu"
+
+
+if __name__ == "__main__":
+    main()

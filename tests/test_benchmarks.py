@@ -1,0 +1,190 @@
+"""benchmarks/bench.py: a --quick CPU run writes the JSON it promises, and its FlashMLA adapter
+hands FlashMLA the fp8_ds_mla bytes in FlashMLA's layout (checked against a torch stand-in that
+follows FlashMLA's documented interface, since FlashMLA itself needs a Hopper GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import jax_sparse_mla as jsm
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks" / "bench.py"
+
+
+@functools.cache
+def _load_bench():
+    """benchmarks/bench.py as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("jsm_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_run_json(tmp_path):
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, str(BENCH), "--quick", "--implementations", "xla", "--json", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    report = json.loads(out.read_text())
+
+    assert report["schema"] == 1
+    assert "--quick" in report["command"] and report["argv"][-1] == str(out)
+    env_ = report["environment"]
+    for key in ("python", "jax", "jaxlib", "jax_plugins", "backend", "devices", "gpu", "git"):
+        assert key in env_, key
+    assert env_["jax"] == jax.__version__ and env_["python"] == sys.version.split()[0]
+    assert isinstance(env_["jax_plugins"], dict)
+    assert env_["backend"]["name"] == "cpu"
+    assert "nvidia_smi" in env_["gpu"] and "error" in env_["gpu"]
+    assert set(env_["git"]) >= {"head", "dirty"}
+    if shutil.which("git") and (REPO / ".git").exists():
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+        assert env_["git"]["head"] == head and isinstance(env_["git"]["dirty"], bool)
+    if importlib.util.find_spec("flash_mla") is None:
+        assert "FlashMLA not importable" in done.stdout
+        assert env_["flashmla"].startswith("FlashMLA not importable")
+    assert report["settings"]["quick"] and report["settings"]["samples"] >= 10
+    assert report["copy_bandwidth_Bps"] > 0
+
+    rows = report["rows"]
+    assert {r["op"] for r in rows} == {"sparse_mla", "mla_decode", "ultraquant_decode"}
+    for r in rows:
+        assert r["implementation"] == "xla" and not r["error"], r
+        assert r["samples"] >= 10 and len(r["samples_s"]) == r["samples"]
+        assert r["min_s"] > 0, r
+        assert r["min_s"] <= r["p10_s"] <= r["median_s"] <= r["p90_s"] <= r["max_s"], r
+        assert r["calls_per_sample"] >= 1 and r["bytes"] > 0 and r["flops"] > 0
+        assert r["bandwidth_Bps"] > 0 and r["tflops"] > 0
+    table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert len(table) == 2 + len(rows)  # header, separator, one line per row
+
+
+def test_default_implementations_are_native():
+    bench = _load_bench()
+    cpu = {"cpu"}
+    assert bench.implementations_for("sparse_mla", None, cpu) == ["xla"]
+    cuda = bench.implementations_for("sparse_mla", None, {"cpu", "cuda"})
+    assert "xla" in cuda and "pallas" in cuda
+    assert "gfx950_emulation" not in cuda and "flydsl" not in cuda
+    assert bench.runs_natively("mosaic", {"cpu", "cuda"})
+    assert not bench.runs_natively("mosaic", cpu)
+    assert bench.implementations_for("mla_decode", ["xla", "nope"], cpu) == ["xla"]
+    table = bench.table_implementations("ultraquant_decode")
+    assert bench.implementations_for("ultraquant_decode", ["all"], cpu) == table
+
+
+def _fake_flash_mla(torch):
+    """FlashMLA's sparse fp8 decode as its interface documents it (flash_mla_interface.py at
+    9241ae3), in plain torch, with the argument checks the real one makes."""
+
+    class SchedMeta:
+        have_initialized = False
+
+    def get_mla_metadata(*args, **kwargs):
+        return SchedMeta(), None
+
+    def flash_mla_with_kvcache(
+        q,
+        k_cache,
+        block_table,
+        cache_seqlens,
+        head_dim_v,
+        tile_scheduler_metadata,
+        num_splits=None,
+        softmax_scale=None,
+        causal=False,
+        is_fp8_kvcache=False,
+        indices=None,
+    ):
+        assert isinstance(tile_scheduler_metadata, SchedMeta) and num_splits is None
+        assert is_fp8_kvcache and not causal and indices is not None and head_dim_v == 512
+        b, s_q, h_q, d_qk = q.shape
+        assert q.dtype == torch.bfloat16 and d_qk == 576 and h_q in (64, 128)
+        assert k_cache.dtype in (torch.uint8, torch.int8, torch.float8_e4m3fn)
+        assert k_cache.ndim == 4 and k_cache.shape[2:] == (1, 656) and k_cache.stride(1) == 656
+        assert indices.dtype == torch.int32 and indices.shape[:2] == (b, s_q)
+        flat = k_cache.reshape(-1, 656).view(torch.uint8)
+        rows = flat.shape[0]
+        codes = flat[:, :512].contiguous().view(torch.float8_e4m3fn).float()
+        scales = flat[:, 512:528].contiguous().view(torch.float32)  # [rows, 4]
+        rope = flat[:, 528:].contiguous().view(torch.bfloat16).float()
+        latent = (codes.view(rows, 4, 128) * scales[:, :, None]).view(rows, 512)
+        keys = torch.cat([latent, rope], dim=1)  # [rows, 576]
+        invalid = (indices < 0) | (indices >= rows)
+        gathered = keys[indices.clamp(0, rows - 1).long()]  # [b, s_q, topk, 576]
+        scale = softmax_scale if softmax_scale is not None else d_qk**-0.5
+        scores = torch.einsum("bshd,bskd->bshk", q.float(), gathered) * scale
+        scores = scores.masked_fill(invalid[:, :, None, :], float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # [b, s_q, h_q]
+        p = torch.exp(scores - lse[..., None])
+        out = torch.einsum("bshk,bskd->bshd", p, gathered[..., :512])
+        return out.to(torch.bfloat16), lse.transpose(1, 2)
+
+    return types.SimpleNamespace(
+        __version__="fake",
+        get_mla_metadata=get_mla_metadata,
+        flash_mla_with_kvcache=flash_mla_with_kvcache,
+    )
+
+
+def test_flashmla_adapter_layout():
+    torch = pytest.importorskip("torch")
+    bench = _load_bench()
+    fm = bench.FlashMLA(_fake_flash_mla(torch), torch)
+    shapes = dataclasses.replace(bench.QUICK, sparse=((3, 16), (2, 128)))
+    cases = list(bench.sparse_mla_cases(jax.random.key(1), shapes))
+    for case in cases:
+        data = case.flashmla
+        q, kv, idx, indptr = case.args
+        want_out, want_lse = jsm.sparse_mla(
+            q, kv, idx, indptr, sm_scale=data["sm_scale"], return_lse=True, implementation="xla"
+        )
+        launch, sync, outputs, note = fm.prepare(
+            data["q"], data["kv"], data["topk_idx"], data["sm_scale"]
+        )
+        result = launch()
+        sync(result)
+        out, lse = outputs(result)
+        h = case.params["H"]
+        assert tuple(out.shape) == (case.params["n_q"], h, 512)
+        assert tuple(lse.shape) == (case.params["n_q"], h)
+        assert ("padded 16 -> 64" in note) == (h == 16)
+        want_out = np.asarray(want_out, np.float32)
+        scale = np.abs(want_out).max()
+        np.testing.assert_allclose(out.float().numpy(), want_out, atol=2**-7 * scale)
+        np.testing.assert_allclose(lse.numpy(), np.asarray(want_lse), rtol=1e-4, atol=1e-3)
+
+    # The row the benchmark writes for FlashMLA, after the jax implementations of the case.
+    args = bench.parse_args(["--quick", "--implementations", "xla"])
+    ctx = {
+        "args": args,
+        "copy_bps": 1e9,
+        "flashmla": fm,
+        "jax_flush": None,
+        "torch_flush": lambda fm: None,
+    }
+    rows = bench.bench_case(cases[0], ["xla"], ctx)
+    assert [r["implementation"] for r in rows] == ["xla", "flashmla"]
+    row = rows[1]
+    assert not row["error"], row
+    assert row["diff_vs"] == "xla" and "padded 16 -> 64" in row["note"]
+    assert 0 <= row["max_abs_diff"] < 1 and 0 <= row["lse_max_abs_diff"] < 1e-2
+    assert 0 < row["min_s"] <= row["median_s"] <= row["max_s"]
