@@ -19,9 +19,12 @@ each sample then pairs a batch of (flush, call) with a batch of flushes alone, r
 it, and is (paired time - flush-alone time) / calls. Short kernels are then noisy (the
 difference of two larger numbers; a sample can even come out negative), and the flush leaves
 dirty lines in L2 whose write-back the next call may pay. ``--profiler`` (jax implementations
-only): also captures ``jax.profiler`` device timestamps of ``max(samples, 20)`` calls and reports
-the spread of the per-call "XLA Modules" event durations on the GPU plane (flush modules are
-excluded by name); on a machine without a device plane (CPU) the row says why there is none.
+only): also traces ``max(samples, 20)`` calls with ``jax.profiler`` and reports the spread of
+per-call execution times from the trace's timestamps ("device us"), read from the device planes
+(the host plane on the CPU backend): the "XLA Modules" events of the case's module when the trace
+has that line, else the span of the events tagged with the module, per ``run_id`` (the flush is
+another module, so it is never counted); the row records which. This path is exercised on the
+CPU only so far: on a GPU, check the row's ``profiler.method``.
 
 "bytes" counts what must be read or written once: the records / cache rows each query row
 attends to (per row: sparse_mla rows do not share their reads), q and the output; "FLOPs" the
@@ -391,8 +394,8 @@ def spread(times: list[float]) -> dict:
 
 
 def profile_device_times(launch: Callable, sync: Callable, module_name: str, calls: int, flush):
-    """Per-call device seconds from ``jax.profiler``: the "XLA Modules" events named
-    ``module_name`` on the device planes. Returns (times or None, why none)."""
+    """Per-call execution seconds from a ``jax.profiler`` trace of ``calls`` calls. Returns
+    ({"method", "plane", "times"} or None, why none); see ``times_from_profile``."""
     with tempfile.TemporaryDirectory(prefix="bench_profile_") as tmp:
         with jax.profiler.trace(tmp):
             out = None
@@ -407,20 +410,62 @@ def profile_device_times(launch: Callable, sync: Callable, module_name: str, cal
         if not files:
             return None, "jax.profiler wrote no .xplane.pb"
         data = jax.profiler.ProfileData.from_file(files[0])
-        durations = []
-        device_planes = 0
-        for plane in data.planes:
-            if not plane.name.startswith("/device:"):
+        return times_from_profile(data, module_name, calls)
+
+
+DERIVED_LINES = ("XLA Modules", "XLA Ops", "Steps", "Framework Name Scope", "Framework Ops")
+
+
+def _event_stats(ev) -> dict:
+    try:
+        return dict(ev.stats)
+    except Exception:  # a stat the binding cannot convert
+        return {}
+
+
+def times_from_profile(data, module_name: str, calls: int):
+    """The device planes ("/device:..."; the host planes where there is none, as on the CPU
+    backend, which runs the module on host threads): 1) "XLA Modules" events named
+    ``module_name``, one per call; else 2) the events tagged ``hlo_module`` = the module: the
+    span (first start to last end) of each ``run_id`` (one per call); else 3) their summed
+    duration / calls (one value)."""
+    planes = [p for p in data.planes if p.name.startswith("/device:")]
+    planes = planes or [p for p in data.planes if p.name.startswith("/host:")]
+    for plane in planes:
+        for line in plane.lines:
+            if line.name == "XLA Modules":
+                times = [ev.duration_ns * 1e-9 for ev in line.events if module_name in ev.name]
+                if times:
+                    return {"method": "XLA Modules events", "plane": plane.name, "times": times}, ""
+    runs: dict = {}
+    total_ns, tagged, where = 0.0, 0, ""
+    for plane in planes:
+        for line in plane.lines:
+            if line.name in DERIVED_LINES:
                 continue
-            device_planes += 1
-            for line in plane.lines:
-                if line.name != "XLA Modules":
+            for ev in line.events:
+                stats = _event_stats(ev)
+                if module_name not in str(stats.get("hlo_module", "")):
                     continue
-                durations += [ev.duration_ns * 1e-9 for ev in line.events if module_name in ev.name]
-    if not durations:
-        where = f"{device_planes} device plane(s)" if device_planes else "no device plane (CPU?)"
-        return None, f"no 'XLA Modules' event named {module_name} ({where})"
-    return durations, ""
+                tagged += 1
+                where = plane.name
+                total_ns += ev.duration_ns
+                if "run_id" in stats:
+                    span = runs.setdefault(stats["run_id"], [math.inf, -math.inf])
+                    span[0] = min(span[0], ev.start_ns)
+                    span[1] = max(span[1], ev.start_ns + ev.duration_ns)
+    if runs:
+        times = [(end - begin) * 1e-9 for begin, end in runs.values()]
+        return {"method": "span of each run_id's events", "plane": where, "times": times}, ""
+    if tagged:
+        times = [total_ns * 1e-9 / calls]
+        return {
+            "method": f"{tagged} events' total time / {calls} calls",
+            "plane": where,
+            "times": times,
+        }, ""
+    names = ", ".join(p.name for p in data.planes) or "none"
+    return None, f"no event of module {module_name} in the trace (planes: {names})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -725,7 +770,7 @@ def bench_case(case: Case, impls: list[str], ctx: dict) -> list[dict]:
                 if lse is not None and reference[2] is not None:
                     row["lse_max_abs_diff"] = _jax_max_abs_diff(lse, reference[2])
             if args.profiler:
-                device, why = profile_device_times(
+                found, why = profile_device_times(
                     launch,
                     jax.block_until_ready,
                     _module_name(case.op, impl),
@@ -733,7 +778,14 @@ def bench_case(case: Case, impls: list[str], ctx: dict) -> list[dict]:
                     ctx["jax_flush"],
                 )
                 row["profiler"] = (
-                    {**spread(device), "calls": len(device)} if device else {"error": why}
+                    {
+                        **spread(found["times"]),
+                        "values": len(found["times"]),
+                        "method": found["method"],
+                        "plane": found["plane"],
+                    }
+                    if found
+                    else {"error": why}
                 )
         except Exception as e:  # one implementation failing must not stop the run
             row = error_row(case, impl, "jax_sparse_mla", e)

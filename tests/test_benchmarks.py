@@ -38,13 +38,15 @@ def _load_bench():
 def test_quick_run_json(tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, str(BENCH), "--quick", "--implementations", "xla", "--json", str(out)]
+    cmd = [sys.executable, str(BENCH), "--quick", "--implementations", "xla", "--profiler"]
+    cmd += ["--json", str(out)]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     report = json.loads(out.read_text())
 
     assert report["schema"] == 1
     assert "--quick" in report["command"] and report["argv"][-1] == str(out)
+    assert report["settings"]["profiler"]
     env_ = report["environment"]
     for key in ("python", "jax", "jaxlib", "jax_plugins", "backend", "devices", "gpu", "git"):
         assert key in env_, key
@@ -73,6 +75,10 @@ def test_quick_run_json(tmp_path):
         assert r["min_s"] <= r["p10_s"] <= r["median_s"] <= r["p90_s"] <= r["max_s"], r
         assert r["calls_per_sample"] >= 1 and r["bytes"] > 0 and r["flops"] > 0
         assert r["bandwidth_Bps"] > 0 and r["tflops"] > 0
+        prof = r["profiler"]  # trace timestamps, or why there are none
+        assert isinstance(prof, dict) and ("median_s" in prof or prof["error"]), prof
+        if "median_s" in prof:
+            assert 0 < prof["min_s"] <= prof["median_s"] <= prof["max_s"] and prof["method"]
     table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
     assert len(table) == 2 + len(rows)  # header, separator, one line per row
 
