@@ -512,7 +512,7 @@ class FlashMLA:
         records = from_dlpack(kv.reshape(-1, RECORD_BYTES))
         rows = records.shape[0]
         block = next(b for b in (64, 32, 16, 8, 4, 2, 1) if rows % b == 0)
-        cache = records.view(rows // block, block, 1, RECORD_BYTES)  # index = block * 64 + slot
+        cache = records.view(rows // block, block, 1, RECORD_BYTES)  # block * size + slot = row
         indices = from_dlpack(topk_idx).reshape(n_q, 1, topk_idx.shape[1])
         meta, _ = self.mla.get_mla_metadata()
         mla = self.mla
