@@ -1,4 +1,5 @@
-"""Pieces shared by the Pallas kernels: gathers, launch parameters, the CUDA/interpret switch."""
+"""Pieces shared by the Pallas kernels: gathers, launch parameters, the CUDA/interpret switch,
+and the uint32-word view of the byte caches."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
 
 from jax_sparse_mla._platform import by_platform
 from jax_sparse_mla._vma import out_struct, vary_like, varying_axes
@@ -42,11 +45,18 @@ def call(
     name: str,
     in_specs=pl.no_block_spec,
     out_specs=pl.no_block_spec,
+    byte_args: tuple[int, ...] = (),
+    words: bool | None = None,
 ):
     """``pl.pallas_call`` with Triton launch parameters; refs without a spec are whole arrays.
 
-    Each output varies over the mesh axes its inputs vary over (``jax.shard_map``).
+    Each output varies over the mesh axes its inputs vary over (``jax.shard_map``). The
+    arguments at ``byte_args`` (uint8 caches [..., 4k], read with ``gather_words``) reach the
+    kernel as uint32 words [..., k] when ``words`` (default: compiled, i.e. not
+    ``interpret``; see ``as_words``: no copy of the cache), else as they are.
     """
+    if words is None:
+        words = not interpret
 
     def pallas(shapes):
         return pl.pallas_call(
@@ -68,7 +78,11 @@ def call(
             # waits for the devices that wait for the callback). Fail clearly instead, at run
             # time: this branch is traced, but never lowered, when the target is a CUDA GPU.
             return jax.pure_callback(_interpret_under_shard_map, shapes, *args)
-        return pallas(shapes)(*vary_like(args, *args))
+        args = vary_like(args, *args)
+        if words:  # right before the call: nothing else may consume a punned view (as_words)
+            view = functools.partial(as_words, pun=not interpret)
+            args = [view(a) if i in byte_args else a for i, a in enumerate(args)]
+        return pallas(shapes)(*args)
 
     return run
 
@@ -82,19 +96,111 @@ def _interpret_under_shard_map(*_):
     )
 
 
-def widen_offsets(x):
-    """``x`` padded along its first axis past 2^32 bytes when it holds [2^31, 2^32] bytes.
+# ---------------------------------------------------------------------------------------------
+# Byte caches as uint32 words, without a copy
+# ---------------------------------------------------------------------------------------------
+#
+# Pallas' Triton lowering (jax/_src/pallas/triton/lowering.py, ``_compute_offsets_from_indices``)
+# computes a ref's element offsets in int32 when the whole array holds at most 2^32 bytes
+# (``64 if full_size > 2**32 else 32``, full_size = elements * itemsize) and in int64 beyond. A
+# uint8 cache of 2^31 to 2^32 bytes has element offsets past 2^31 - 1: int32 overflows there.
+# The same cache as uint32 words has bytes / 4 elements, so every offset of a cache of at most
+# 2^32 bytes stays below 2^30 (int32 is exact), and a larger one gets int64 offsets: exact at
+# every size, under vmap too (a batch of caches is one array of the batch's bytes).
+#
+# The word view must not copy the cache. jax's ``bitcast_convert_type`` from uint8 [..., 4] to
+# uint32 is a copy under XLA: XLA:GPU and XLA:CPU expand a bitcast-convert between element
+# widths into slices, shifts and ors (``BitcastDtypesExpander``), which write a new array, a
+# pass over the whole cache. ``as_words`` is therefore a primitive of its own: its value is the
+# word view (shape and dtype), and when lowered for CUDA only, with ``pun=True``, its result is
+# the uint8 cache itself. Its only consumer there is the compiled ``pallas_call`` (``call``
+# binds it right before the call), whose Triton custom call passes the buffer's address to the
+# kernel: the kernel, compiled for uint32 words, reads the cache's own bytes (the same bytes and
+# size: [..., 4k] uint8 and [..., k] uint32 have the same row-major layout). Any other consumer
+# of a punned value would read uint8 as uint32: most (element-wise ops, reshapes, calls, the
+# function's results) fail StableHLO's verifier at lowering, but not all (a reduction lowers),
+# so only ``call`` binds it with ``pun=True``, on the arguments it hands to the kernel. Everywhere
+# else (interpret mode, other platforms, multi-platform lowerings) ``as_words`` is the real
+# conversion, a copy.
 
-    Pallas' Triton lowering computes element offsets in int32 for arrays up to 2^32 bytes, which
-    overflows for byte arrays of 2^31 bytes or more; past 2^32 bytes it uses int64. The pad is a
-    copy of the array (correct, but it costs a pass over it) and happens only in that window.
+_as_words_p = Primitive("jax_sparse_mla_as_words")
+
+
+def as_words(x, *, pun: bool):
+    """uint8 ``x`` [..., 4k] as little-endian uint32 words [..., k] (see the notes above;
+    ``pun=True`` only for an argument of the compiled ``pallas_call``)."""
+    if x.dtype != jnp.uint8 or x.ndim == 0 or x.shape[-1] % 4:
+        raise ValueError(f"as_words takes uint8 [..., 4k], got {x.dtype}{list(x.shape)}")
+    return _as_words_p.bind(x, pun=pun)
+
+
+def _words_by_conversion(x):
+    b = x.reshape(*x.shape[:-1], x.shape[-1] // 4, 4).astype(jnp.uint32)
+    shift = 8 * jax.lax.broadcasted_iota(jnp.uint32, (4,), 0)
+    return jnp.sum(b << shift, axis=-1, dtype=jnp.uint32)  # disjoint bits: the sum is the or
+
+
+def _as_words_abstract_eval(x, *, pun):
+    del pun
+    return x.update(shape=(*x.shape[:-1], x.shape[-1] // 4), dtype=jnp.dtype(jnp.uint32))
+
+
+def _as_words_lowering(ctx, x, *, pun):
+    if pun and tuple(ctx.platforms or ctx.module_context.platforms) == ("cuda",):
+        return [x]  # the cache itself, for the compiled pallas_call (see the notes above)
+    return mlir.lower_fun(_words_by_conversion, multiple_results=False)(ctx, x)
+
+
+def _as_words_batch(args, dims, *, pun):
+    (x,), (d,) = args, dims
+    if d == x.ndim - 1:  # the byte axis must stay last
+        x, d = jnp.moveaxis(x, d, 0), 0
+    return _as_words_p.bind(x, pun=pun), d
+
+
+_as_words_p.def_impl(lambda x, *, pun: _words_by_conversion(x))
+_as_words_p.def_abstract_eval(_as_words_abstract_eval)
+mlir.register_lowering(_as_words_p, _as_words_lowering)
+batching.primitive_batchers[_as_words_p] = _as_words_batch
+
+
+def gather_words(ref, rows, start: int, count: int, valid):
+    """Bytes ``[start, start + 4 * count)`` of rows ``rows`` of a byte cache as ``count``
+    little-endian uint32 words: [len(rows), count], 0 where not valid (never read there).
+
+    ``ref`` is the cache as ``call`` passes it: uint32 words (compiled) or uint8 bytes (interpret
+    mode; the words are assembled from the bytes). ``start`` is a multiple of 4.
     """
-    nbytes = x.size * x.dtype.itemsize
-    if not 2**31 <= nbytes <= 2**32:
-        return x
-    row_bytes = nbytes // x.shape[0]
-    extra = (2**32 - nbytes) // row_bytes + 1
-    return jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1))
+    assert start % 4 == 0, start
+    if ref.dtype == jnp.uint32:
+        return gather_rows(ref, rows, start // 4, count, valid)
+    b = gather_rows(ref, rows, start, 4 * count, valid).astype(jnp.uint32)
+    b = b.reshape(b.shape[0], count, 4)
+    shift = 8 * jax.lax.broadcasted_iota(jnp.uint32, (1, 1, 4), 2)
+    return jnp.sum(b << shift, axis=2, dtype=jnp.uint32)  # disjoint bits: the sum is the or
+
+
+def _interleave(lo, hi):
+    """[R, n] lo, hi -> [R, 2n] with lo[:, j] at 2j and hi[:, j] at 2j + 1 (Triton: a join)."""
+    return jnp.stack([lo, hi], axis=-1).reshape(lo.shape[0], 2 * lo.shape[1])
+
+
+def word_halves(words):
+    """uint32 words [R, n] -> their little-endian 16-bit halves [R, 2n] (uint32 < 2^16)."""
+    return _interleave(words & jnp.uint32(0xFFFF), words >> jnp.uint32(16))
+
+
+def word_bytes(words):
+    """uint32 words [R, n] -> their little-endian bytes [R, 4n] uint8 (byte k of word j at
+    4j + k: the cache's own byte order)."""
+    halves = word_halves(words)
+    return _interleave(halves & jnp.uint32(0xFF), halves >> jnp.uint32(8)).astype(jnp.uint8)
+
+
+def word_column(words, c: int):
+    """Column ``c`` of ``words`` [R, n]: [R] (a masked sum; Triton has no column slice)."""
+    col = jax.lax.broadcasted_iota(jnp.int32, (1, words.shape[1]), 1)
+    return jnp.sum(jnp.where(col == c, words, jnp.uint32(0)), axis=1, dtype=words.dtype)
 
 
 def gather_rows(ref, rows, start: int, width: int, valid, *, stride: int = 1):
@@ -111,13 +217,6 @@ def gather_rows(ref, rows, start: int, width: int, valid, *, stride: int = 1):
 def gather_1d(ref, pos, valid):
     """``ref[pos]`` for a 1-D ref, 0 where not valid (never read there)."""
     return plgpu.load(ref.at[jnp.where(valid, pos, 0)], mask=valid, other=0)
-
-
-def bytes_to_u32(b, word: int):
-    """Little-endian uint32 word ``word`` of each row of ``b`` [R, W] uint8: [R] uint32."""
-    col = jax.lax.broadcasted_iota(jnp.int32, (1, b.shape[1]), 1)
-    shifted = b.astype(jnp.uint32) << ((col % 4) * 8).astype(jnp.uint32)
-    return jnp.sum(jnp.where(col // 4 == word, shifted, jnp.uint32(0)), axis=1)
 
 
 def e4m3_to_bf16(codes):

@@ -3,8 +3,9 @@
 One program owns one group of query rows (a ``sparse_mla`` row, or the ``qlen`` positions of a
 decode request, times the heads), one block of ``block_m`` of those rows and one split of the
 group's key list ``idx[indptr[g]:indptr[g+1]]``. It walks the split in tiles of ``BLOCK_K``
-keys: gathers the records (each record read once per program), converts the fp8 codes to bf16
-(exact), computes the scores on the tensor cores in bf16 x bf16 -> f32 (exact products), keeps
+keys: gathers the records (each record read once per program, as uint32 words split into their
+bytes: ``_common.as_words``, no copy of the cache), converts the fp8 codes to bf16 (exact),
+computes the scores on the tensor cores in bf16 x bf16 -> f32 (exact products), keeps
 an f32 online softmax, and accumulates P @ V with P rounded to bf16 (the only rounding besides
 f32 accumulation; per-key scales are folded into the scores and into P, never into K or V).
 With causal masking (qlen > 1) a key hidden from a row adds exactly nothing to it, whatever its
@@ -21,18 +22,19 @@ from jax.experimental import pallas as pl
 
 from jax_sparse_mla.formats import LATENT_DIM, ROPE_OFFSET, SCALES_OFFSET
 from jax_sparse_mla.kernels.pallas._common import (
-    bytes_to_u32,
     call,
     dot_nn,
     dot_nt,
     e4m3_to_bf16,
     gather_1d,
-    gather_rows,
+    gather_words,
     pow2_at_least,
     softmax_finish,
     softmax_init,
     softmax_update,
-    widen_offsets,
+    word_bytes,
+    word_column,
+    word_halves,
 )
 
 BLOCK_K = 64  # keys per tile
@@ -44,29 +46,30 @@ NUM_WARPS = 8
 NUM_STAGES = 2
 
 
-def _load_ds_mla(kv_ref, ids, valid):
-    """fp8_ds_mla records -> (4 latent chunks [K, 128] bf16 codes, 4 scales [K] f32, rope)."""
-    chunks = [
-        e4m3_to_bf16(gather_rows(kv_ref, ids, CHUNK * c, CHUNK, valid)) for c in range(NUM_CHUNKS)
-    ]
-    scale_bytes = gather_rows(kv_ref, ids, SCALES_OFFSET, 16, valid)
-    scales = [
-        jax.lax.bitcast_convert_type(bytes_to_u32(scale_bytes, c), jnp.float32)
+def _latent_chunks(kv_ref, ids, valid):
+    """The 512 latent e4m3fn codes of each record / row: 4 chunks [K, 128] bf16 (exact)."""
+    return [
+        e4m3_to_bf16(word_bytes(gather_words(kv_ref, ids, CHUNK * c, CHUNK // 4, valid)))
         for c in range(NUM_CHUNKS)
     ]
-    lo = gather_rows(kv_ref, ids, ROPE_OFFSET, ROPE, valid, stride=2).astype(jnp.uint16)
-    hi = gather_rows(kv_ref, ids, ROPE_OFFSET + 1, ROPE, valid, stride=2).astype(jnp.uint16)
-    rope = jax.lax.bitcast_convert_type(lo | (hi << 8), jnp.bfloat16)
-    return chunks, scales, rope
+
+
+def _load_ds_mla(kv_ref, ids, valid):
+    """fp8_ds_mla records -> (4 latent chunks [K, 128] bf16 codes, 4 scales [K] f32, rope)."""
+    scale_words = gather_words(kv_ref, ids, SCALES_OFFSET, NUM_CHUNKS, valid)
+    scales = [
+        jax.lax.bitcast_convert_type(word_column(scale_words, c), jnp.float32)
+        for c in range(NUM_CHUNKS)
+    ]
+    rope = word_halves(gather_words(kv_ref, ids, ROPE_OFFSET, ROPE // 2, valid))
+    rope = jax.lax.bitcast_convert_type(rope.astype(jnp.uint16), jnp.bfloat16)
+    return _latent_chunks(kv_ref, ids, valid), scales, rope
 
 
 def _load_fp8(kv_ref, ids, valid):
     """fp8 latent cache rows -> (4 latent chunks [K, 128] bf16 codes, None, rope codes bf16)."""
-    chunks = [
-        e4m3_to_bf16(gather_rows(kv_ref, ids, CHUNK * c, CHUNK, valid)) for c in range(NUM_CHUNKS)
-    ]
-    rope = e4m3_to_bf16(gather_rows(kv_ref, ids, LATENT_DIM, ROPE, valid))
-    return chunks, None, rope
+    rope = e4m3_to_bf16(word_bytes(gather_words(kv_ref, ids, LATENT_DIM, ROPE // 4, valid)))
+    return _latent_chunks(kv_ref, ids, valid), None, rope
 
 
 _LOADERS = {"ds_mla": _load_ds_mla, "fp8": _load_fp8}
@@ -160,6 +163,7 @@ def mla_partials(
     split_align: int,
     out_dtype,
     interpret: bool,
+    words: bool | None = None,
 ):
     """Per-split MLA attention over CSR key lists.
 
@@ -167,8 +171,7 @@ def mla_partials(
     keys ``kv[idx[indptr[g] + j]]`` for j < length_g (indptr entries clipped to [0, len(idx)]);
     split s of S covers key positions [s * c, min((s + 1) * c, length_g)) with
     ``c = split_align * ceil(length_g / (split_align * S))``. Entries outside [0, len(kv)) are
-    masked; with
-    qlen > 1 position i sees key positions j <= length_g - qlen + i.
+    masked; with qlen > 1 position i sees key positions j <= length_g - qlen + i.
 
     Args:
       q: [G, M, 576] bfloat16, M = qlen * heads.
@@ -179,13 +182,14 @@ def mla_partials(
         scale of the output (1, or v_scale for "fp8")).
       split_align: multiple of BLOCK_K.
       out_dtype: dtype of the partial outputs.
+      words: the kernel reads ``kv`` as uint32 words (``_common.call``; default: when
+        compiled), never a copy of it; the answer is the same bits either way.
     Returns:
       o [G, S, M_pad, 512] out_dtype (normalized per split; 0 where a split has no key) and
       lse [G, S, M_pad] float32 (-inf there); M_pad >= M, rows past M are padding.
     """
     g, m, _ = q.shape
     rows = kv.shape[0]
-    kv = widen_offsets(kv)  # padding rows are never read: entries >= rows are masked
     block_m = block_m_for(m)
     m_pad = -(-m // block_m) * block_m
     if m_pad != m:
@@ -222,4 +226,6 @@ def mla_partials(
         num_stages=NUM_STAGES,
         interpret=interpret,
         name=f"mla_{fmt}",
+        byte_args=(2,),
+        words=words,
     )(indptr, idx, kv, scales, q)

@@ -2,7 +2,8 @@
 
 One program owns one request, one KV head (its G query heads, padded to 16 rows for the tensor
 cores) and one contiguous partition of the request's tokens, walked in tiles of ``BLOCK_K``
-tokens. Each slot is read once: the E2M1 codes become e4m3fn bytes by bit moves
+tokens. Each slot is read once (as uint32 words split into their bytes: ``_common.as_words``,
+no copy of the cache): the E2M1 codes become e4m3fn bytes by bit moves
 (``e4m3(code') = value * 2^-6``, exact, subnormal 0.5 included), then bf16 (exact), times the
 UE8M0 group scale (exact: a power of two); the 2^-6 is folded into the score scale and the
 output. K's low and high nibbles (stored elements 2i and 2i+1) are separate operands, so the
@@ -36,13 +37,13 @@ from jax_sparse_mla.kernels.pallas._common import (
     dot_nt,
     e4m3_to_bf16,
     gather_1d,
-    gather_rows,
+    gather_words,
     on_cuda_or_interpret,
     pow2_at_least,
     softmax_finish,
     softmax_init,
     softmax_update,
-    widen_offsets,
+    word_bytes,
 )
 from jax_sparse_mla.kernels.pallas.merge import merge_partials_pallas
 
@@ -67,6 +68,11 @@ def _fp4_halves(codes, scale_bytes):
         return e4m3_to_bf16(e4m3) * per_col
 
     return to_bf16(codes & 0xF), to_bf16(codes >> 4)
+
+
+def _slot_bytes(cache_ref, slot, start: int, count: int, valid):
+    """Bytes [start, start + count) of each slot: [K, count] uint8, 0 where not valid."""
+    return word_bytes(gather_words(cache_ref, slot, start, count // 4, valid))
 
 
 def _kernel(
@@ -101,12 +107,12 @@ def _kernel(
         valid = in_seq & (blk >= 0) & (blk < num_blocks)
         slot = (blk * block_size + j % block_size) * kv_heads + kh
         k_even, k_odd = _fp4_halves(
-            gather_rows(cache_ref, slot, UQ_K_CODES, HALF, valid),
-            gather_rows(cache_ref, slot, UQ_K_SCALES, UQ_GROUPS, valid),
+            _slot_bytes(cache_ref, slot, UQ_K_CODES, HALF, valid),
+            _slot_bytes(cache_ref, slot, UQ_K_SCALES, UQ_GROUPS, valid),
         )
         v_even, v_odd = _fp4_halves(
-            gather_rows(cache_ref, slot, UQ_V_CODES, HALF, valid),
-            gather_rows(cache_ref, slot, UQ_V_SCALES, UQ_GROUPS, valid),
+            _slot_bytes(cache_ref, slot, UQ_V_CODES, HALF, valid),
+            _slot_bytes(cache_ref, slot, UQ_V_SCALES, UQ_GROUPS, valid),
         )
         s = dot_nt(q[0][0], k_even) + dot_nt(q[0][1], k_odd)
         for p in range(1, Q_PIECES):
@@ -189,8 +195,12 @@ def ultraquant_decode_kernel(
     return merged.reshape(q.shape)
 
 
-def _partials(q, cache, block_tables, seq_lens, sm_scale, num_partitions, interpret):
-    """-> o [B, P, Hk, rows, 2, 128] f32 (even | odd halves), lse [B, P, Hk, rows], G."""
+def _partials(q, cache, block_tables, seq_lens, sm_scale, num_partitions, interpret, words=None):
+    """-> o [B, P, Hk, rows, 2, 128] f32 (even | odd halves), lse [B, P, Hk, rows], G.
+
+    ``words``: the kernel reads the cache as uint32 words (``_common.call``; default: when
+    compiled), never a copy of it; the answer is the same bits either way.
+    """
     b, hq, _ = q.shape
     nb, bs, hk, slot_bytes = cache.shape
     g = hq // hk
@@ -202,7 +212,7 @@ def _partials(q, cache, block_tables, seq_lens, sm_scale, num_partitions, interp
         _kernel, block_size=bs, num_blocks=nb, kv_heads=hk, num_parts=num_partitions
     )
     scales = jnp.stack([jnp.float32(sm_scale) * FP8_BIAS])
-    flat = widen_offsets(cache.reshape(nb * bs * hk, slot_bytes))  # blocks >= nb are masked
+    flat = cache.reshape(nb * bs * hk, slot_bytes)  # a view; read as words (call: byte_args)
     o, lse = call(
         kernel,
         grid=(b, hk, num_partitions),
@@ -220,6 +230,8 @@ def _partials(q, cache, block_tables, seq_lens, sm_scale, num_partitions, interp
         num_stages=NUM_STAGES,
         interpret=interpret,
         name="ultraquant_decode",
+        byte_args=(2,),
+        words=words,
     )(
         block_tables.reshape(-1),
         seq_lens,
