@@ -35,6 +35,7 @@ from jax.extend import core as jex_core
 import jax_sparse_mla as jsm
 from jax_sparse_mla.kernels.pallas import _common
 from jax_sparse_mla.kernels.pallas import mla_attention as MA
+from jax_sparse_mla.kernels.pallas import mla_decode as PD
 from jax_sparse_mla.kernels.pallas import ultraquant as PU
 from tests import cases as C
 
@@ -272,6 +273,25 @@ def test_cuda_lowering_of_a_batch_of_caches(op):
     check_cuda_lowering(jax.vmap(fn, in_axes), args, f"{op} (2 x 1.5 GiB)")
 
 
+def _decode_kernel_fp8(nbytes):
+    """The Pallas mla_decode entry itself on a float8_e4m3fn cache (``jsm.mla_decode`` converts
+    a float8 cache to uint8 codes before any implementation sees it; the kernel needs not)."""
+    fn = functools.partial(
+        PD.mla_decode_pallas, qlen=2, k_scale=0.5, v_scale=0.25, sm_scale=0.04, num_splits=None
+    )
+    args = (S((2 * 2, 16, 576), jnp.bfloat16), S((-(-nbytes // 576), 576), jnp.float8_e4m3fn))
+    return fn, (*args, S((512,), jnp.int32), S((3,), jnp.int32))
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_float8_cache_reaches_the_kernel_unconverted(size):
+    fn, args = _decode_kernel_fp8(SIZES[size])
+    closed = jax.jit(fn).trace(*args).jaxpr
+    calls, others = cache_uses(closed.jaxpr, [closed.jaxpr.invars[CACHE_ARG]])
+    assert not others and calls >= 2, (calls, others)
+    check_cuda_lowering(fn, args, f"mla_decode_pallas float8 ({size})")
+
+
 # ---------------------------------------------------------------------------------------------
 # Compiled for the CPU (interpret mode): temporaries far below the cache
 # ---------------------------------------------------------------------------------------------
@@ -295,6 +315,8 @@ def test_as_words_is_the_little_endian_view(shape):
     want = x.view("<u4")
     for pun in (False, True):  # the pun applies to CUDA lowerings only: a conversion here
         assert np.array_equal(_common.as_words(jnp.asarray(x), pun=pun), want)
+        f8 = jnp.asarray(x).view(jnp.float8_e4m3fn)  # any one-byte dtype: its bits
+        assert np.array_equal(_common.as_words(f8, pun=pun), want)
         got = jax.jit(functools.partial(_common.as_words, pun=pun))(jnp.asarray(x))
         assert np.array_equal(got, want)
     if len(shape) == 3:  # batching: over the leading axes, or moved off the byte axis
@@ -307,7 +329,7 @@ def test_as_words_is_the_little_endian_view(shape):
 
 
 def test_as_words_refuses_other_shapes():
-    for bad in (jnp.zeros((3, 6), jnp.uint8), jnp.zeros((4,), jnp.int8), jnp.zeros((), jnp.uint8)):
+    for bad in (jnp.zeros((3, 6), jnp.uint8), jnp.zeros((4,), jnp.int16), jnp.zeros((), jnp.uint8)):
         with pytest.raises(ValueError, match="as_words"):
             _common.as_words(bad, pun=False)
 
@@ -354,8 +376,14 @@ def test_mla_decode_kernel_words_same_bits(qlen):
         interpret=True,
     )
     args = (q.reshape(b, qlen * h, -1), kv, kv_indices, kv_indptr, jnp.float32([0.01, 0.02]))
-    got, want = run(*args, words=True), run(*args, words=False)
-    assert all(_same_bits(g, w) for g, w in zip(got, want, strict=True))
+    want = run(*args, words=False)
+    for cache in (kv, kv.view(jnp.float8_e4m3fn)):  # float8 codes: read as their bits
+        for words in (True, False):
+            got = run(q.reshape(b, qlen * h, -1), cache, *args[2:], words=words)
+            assert all(_same_bits(g, w) for g, w in zip(got, want, strict=True)), (
+                cache.dtype,
+                words,
+            )
 
 
 @pytest.mark.parametrize("kw", [{}, dict(g=6, slot_bytes=288, p_bad_block=0.2)])
@@ -381,6 +409,16 @@ def test_gpu_compiled_temporaries_far_below_the_cache(op, size, impl):
     analysis = jax.jit(fn).lower(*args).compile().memory_analysis()
     temp = analysis.temp_size_in_bytes
     assert temp < _cache_bytes(args) / 16, f"{op} [{impl}] ({size}): {temp / 2**30:.2f} GiB"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size", SIZES)
+def test_gpu_float8_cache_temporaries_far_below_the_cache(size):
+    # the kernel entry itself: jsm.mla_decode's conversion of a float8 cache to uint8 codes
+    # (mla_decode._prepare) is before it, and is what "mla_decode_fp8" above measures
+    fn, args = _decode_kernel_fp8(SIZES[size])
+    temp = jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    assert temp < _cache_bytes(args) / 16, f"mla_decode_pallas float8 ({size}): {temp / 2**30:.2f}"
 
 
 @pytest.mark.gpu

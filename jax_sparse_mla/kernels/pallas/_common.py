@@ -51,9 +51,10 @@ def call(
     """``pl.pallas_call`` with Triton launch parameters; refs without a spec are whole arrays.
 
     Each output varies over the mesh axes its inputs vary over (``jax.shard_map``). The
-    arguments at ``byte_args`` (uint8 caches [..., 4k], read with ``gather_words``) reach the
-    kernel as uint32 words [..., k] when ``words`` (default: compiled, i.e. not
-    ``interpret``; see ``as_words``: no copy of the cache), else as they are.
+    arguments at ``byte_args`` (byte caches [..., 4k] of a one-byte dtype, e.g. uint8 or
+    float8_e4m3fn codes, read with ``gather_words``) reach the kernel as uint32 words [..., k]
+    when ``words`` (default: compiled, i.e. not ``interpret``; see ``as_words``: no copy of the
+    cache), else as uint8 (a same-width bitcast).
     """
     if words is None:
         words = not interpret
@@ -81,7 +82,9 @@ def call(
         args = vary_like(args, *args)
         if words:  # right before the call: nothing else may consume a punned view (as_words)
             view = functools.partial(as_words, pun=not interpret)
-            args = [view(a) if i in byte_args else a for i, a in enumerate(args)]
+        else:
+            view = _as_uint8
+        args = [view(a) if i in byte_args else a for i, a in enumerate(args)]
         return pallas(shapes)(*args)
 
     return run
@@ -127,15 +130,20 @@ _as_words_p = Primitive("jax_sparse_mla_as_words")
 
 
 def as_words(x, *, pun: bool):
-    """uint8 ``x`` [..., 4k] as little-endian uint32 words [..., k] (see the notes above;
-    ``pun=True`` only for an argument of the compiled ``pallas_call``)."""
-    if x.dtype != jnp.uint8 or x.ndim == 0 or x.shape[-1] % 4:
-        raise ValueError(f"as_words takes uint8 [..., 4k], got {x.dtype}{list(x.shape)}")
+    """Bytes ``x`` [..., 4k] (uint8, or another one-byte dtype such as float8_e4m3fn: its bits)
+    as little-endian uint32 words [..., k] (see the notes above; ``pun=True`` only for an
+    argument of the compiled ``pallas_call``)."""
+    if jnp.dtype(x.dtype).itemsize != 1 or x.ndim == 0 or x.shape[-1] % 4:
+        raise ValueError(f"as_words takes bytes [..., 4k], got {x.dtype}{list(x.shape)}")
     return _as_words_p.bind(x, pun=pun)
 
 
+def _as_uint8(x):
+    return x if x.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(x, jnp.uint8)
+
+
 def _words_by_conversion(x):
-    b = x.reshape(*x.shape[:-1], x.shape[-1] // 4, 4).astype(jnp.uint32)
+    b = _as_uint8(x).reshape(*x.shape[:-1], x.shape[-1] // 4, 4).astype(jnp.uint32)
     shift = 8 * jax.lax.broadcasted_iota(jnp.uint32, (4,), 0)
     return jnp.sum(b << shift, axis=-1, dtype=jnp.uint32)  # disjoint bits: the sum is the or
 

@@ -175,8 +175,8 @@ def mla_partials(
 
     Args:
       q: [G, M, 576] bfloat16, M = qlen * heads.
-      kv: [rows, 656] uint8 fp8_ds_mla records (fmt "ds_mla") or [rows, 576] uint8 e4m3fn
-        codes (fmt "fp8", K = code * k_scale, V = code[:512] * v_scale).
+      kv: [rows, 656] uint8 fp8_ds_mla records (fmt "ds_mla") or [rows, 576] e4m3fn codes
+        (fmt "fp8", float8_e4m3fn or uint8; K = code * k_scale, V = code[:512] * v_scale).
       idx: [nnz] int32; indptr: [G + 1] int32.
       scales: [2] float32: (scale of q·K as stored (sm_scale, times k_scale for "fp8"),
         scale of the output (1, or v_scale for "fp8")).

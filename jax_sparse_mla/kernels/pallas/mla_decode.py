@@ -64,8 +64,10 @@ def mla_decode_kernel(
 ):
     """Causal MLA decode, partials merged on the GPU.
 
-    ``num_splits=None`` picks enough splits to fill the GPU (at least 256 keys each for an
-    average request). Returns out [B*qlen, H, 512] bf16 and lse [B*qlen, H] f32.
+    ``kv`` [tokens, 576] holds e4m3fn codes as float8_e4m3fn or uint8; compiled, the kernel
+    reads either in place (``_common.as_words``), never a converted copy. ``num_splits=None``
+    picks enough splits to fill the GPU (at least 256 keys each for an average request).
+    Returns out [B*qlen, H, 512] bf16 and lse [B*qlen, H] f32.
     """
     rows, h, _ = q.shape
     b = kv_indptr.shape[0] - 1
