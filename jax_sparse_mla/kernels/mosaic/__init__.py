@@ -1,0 +1,1 @@
+"""Pallas Mosaic GPU kernels for NVIDIA Hopper (sm_90a): warp-specialized, wgmma, bulk-copy gathers."""

@@ -1,0 +1,478 @@
+"""Mosaic GPU (Hopper, sm_90a) ``sparse_mla`` over fp8_ds_mla records.
+
+One CTA owns ``m`` = 16 or 32 query rows (heads; more heads take several CTAs, launched side by
+side so that their gathers of the same records meet in L2) and one split of the row's key list,
+walked in tiles of ``T`` = 64 keys. Two warpgroups:
+
+* the producer gathers a tile into a ring of ``stages`` SMEM stages: lane j of its 128 threads
+  reads index j of the tile from global memory and copies that 656-byte record into SMEM row j
+  with one ``cp.async.bulk``; it also stores the index (-1 when masked) and the record's four
+  scales for the consumer; lane 0 then arms the stage's mbarrier with the tile's bytes. This is
+  inline PTX: Mosaic GPU's own copy primitive makes all 128 threads arrive on the barrier for
+  every copy and moves only multiples of 128 bytes;
+* the consumer computes, per tile, the transposed scores S^T [keys, heads] = K Q^T on wgmma,
+  with K's fp8 codes converted to bf16 in registers (exact) as the A operand and Q^T read from
+  swizzled SMEM; an f32 online softmax per head (a column of S^T); and O^T [dims, heads] +=
+  V^T P^T with V (the same bf16 codes, stored to swizzled SMEM while computing S^T) read
+  transposed. Heads are wgmma's N dimension, so 16 heads cost 16 columns (FlashMLA pads them to
+  64 rows).
+
+Numerics are the Pallas kernel's: the per-128-dim scales of a record multiply its partial
+scores and P (rounded to bf16 after that product), never K or V, so every product is exact
+and accumulation is f32.
+
+Layout: a record's latent codes are read as uint16 words; word w holds latent dims 2w (low
+byte) and 2w + 1 (high byte), so a 64-word column block of chunk c gives the 64 even and the
+64 odd dims of that chunk. q's latent dims are permuted to that order (9 operand blocks of 64
+dims: (chunk, parity), then the rope) and the output permuted back. The cache and the index
+list reach the kernel as they are: no view, pad, gather or copy of either.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jax_sparse_mla.formats import LATENT_DIM, RECORD_BYTES, ROPE_OFFSET, SCALES_OFFSET
+from jax_sparse_mla.reference.attention import merge_partials
+from jax_sparse_mla.reference.sparse_mla import no_keys
+
+T = 64  # keys per tile (one SMEM stage; wgmma's M for the transposed scores)
+DB = 64  # dims per operand block (128 bytes of bf16: one swizzled row)
+CHUNKS = 4  # latent scale chunks of 128 dims
+BLOCKS = 2 * CHUNKS + 1  # (chunk, parity) latent blocks, then the rope
+WORDS = RECORD_BYTES // 2  # 328 uint16 words per record
+ROPE_WORD = ROPE_OFFSET // 2  # 264
+SMEM_BYTES = 227 * 1024  # an H200 CTA's shared memory
+SMEM_SLACK = 12288  # barriers, reduction scratch and alignment, measured on the CUDA lowering
+MAX_STAGES = 4
+MIN_SPLIT_TILES = 4  # a split keeps at least this many tiles of an average row
+TARGET_CTAS = 132  # one CTA per H200 SM at a time
+LOG2E = math.log2(math.e)
+WORK = 32  # int32 words per CTA work entry (Pallas copies move multiples of 128 bytes)
+PRODUCER_BARRIER = 15  # a named barrier id that Mosaic GPU's own (1 + warpgroup) never takes
+
+
+def heads_per_cta(h: int) -> int:
+    """m: 16 or 32 heads per CTA (O^T [512, m] f32 in one warpgroup's registers: 4m each)."""
+    return 16 if h <= 16 else 32
+
+
+def stages_for(m: int) -> int:
+    """Record stages that fit in SMEM beside q, P^T, V (bf16) and the output staging."""
+    fixed = (BLOCKS * m * DB + CHUNKS * T * m + 2 * CHUNKS * T * DB) * 2 + DB * m * 4 + SMEM_SLACK
+    return max(1, min(MAX_STAGES, (SMEM_BYTES - fixed) // (T * (RECORD_BYTES + 4 + 16))))
+
+
+def _permute_q(q, m: int, hbs: int):
+    """[G, H, 576] -> [G, hbs, BLOCKS, m, DB]: heads padded to hbs * m; blocks (chunk c,
+    parity p) hold dims 128c + 2j + p, then the rope."""
+    g, h, _ = q.shape
+    m_pad = m * hbs
+    q = jnp.pad(q, ((0, 0), (0, m_pad - h), (0, 0)))
+    lat = q[..., :LATENT_DIM].reshape(g, m_pad, CHUNKS, DB, 2).transpose(0, 1, 2, 4, 3)
+    blocks = jnp.concatenate([lat.reshape(g, m_pad, 2 * CHUNKS, DB), q[..., None, LATENT_DIM:]], 2)
+    return blocks.reshape(g, hbs, m, BLOCKS, DB).transpose(0, 1, 3, 2, 4)
+
+
+def _unpermute_out(o):
+    """[..., 512] in (chunk, parity, j) order -> natural latent order."""
+    lead = o.shape[:-1]
+    return o.reshape(*lead, CHUNKS, 2, DB).swapaxes(-1, -2).reshape(*lead, LATENT_DIM)
+
+
+_GATHER_PTX = """{
+.reg .pred lead, act, ok;
+.reg .b32 lane;
+.reg .s32 key, k0;
+.reg .b32 s0, s1, s2, s3;
+.reg .b64 a, src, dst, st, sc;
+mov.u32 lane, %tid.x;
+and.b32 lane, lane, 127;
+setp.lt.s32 act, lane, $6;
+setp.lt.u32 lead, lane, TILE_KEYS;
+and.pred act, act, lead;
+mul.wide.u32 a, lane, 4;
+add.u64 sc, a, $1;
+mov.s32 key, -1;
+@act ld.global.nc.s32 key, [sc];
+setp.ge.s32 ok, key, 0;
+@ok setp.lt.s32 ok, key, ROWS;
+selp.s32 k0, key, 0, ok;
+selp.s32 key, key, -1, ok;
+mul.wide.s32 src, k0, RECORD;
+add.u64 src, src, $0;
+mul.wide.u32 dst, lane, RECORD;
+add.u64 dst, dst, $2;
+@lead cp.async.bulk.shared::cta.global.mbarrier::complete_tx::bytes [dst], [src], RECORD, [$3];
+add.u64 sc, a, $4;
+@lead st.shared.s32 [sc], key;
+@lead ld.global.nc.v4.b32 {s0, s1, s2, s3}, [src+SCALES];
+selp.b32 s0, s0, 0, ok;
+selp.b32 s1, s1, 0, ok;
+selp.b32 s2, s2, 0, ok;
+selp.b32 s3, s3, 0, ok;
+add.u64 sc, a, $5;
+@lead st.shared.b32 [sc], s0;
+@lead st.shared.b32 [sc+CHUNK_STRIDE], s1;
+@lead st.shared.b32 [sc+CHUNK_STRIDE2], s2;
+@lead st.shared.b32 [sc+CHUNK_STRIDE3], s3;
+bar.sync PRODUCER_BARRIER, 128;
+setp.eq.u32 lead, lane, 0;
+@lead mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 st, [$3], TILE_BYTES;
+}"""
+for _name, _value in {
+    "TILE_BYTES": T * RECORD_BYTES,
+    "TILE_KEYS": T,
+    "RECORD": RECORD_BYTES,
+    "SCALES": SCALES_OFFSET,
+    "CHUNK_STRIDE3": 12 * T,
+    "CHUNK_STRIDE2": 8 * T,
+    "CHUNK_STRIDE": 4 * T,
+    "PRODUCER_BARRIER": PRODUCER_BARRIER,
+}.items():
+    _GATHER_PTX = _GATHER_PTX.replace(_name, str(_value))
+
+_INIT_PTX = """{
+.reg .pred lead;
+.reg .b32 tid;
+mov.u32 tid, %tid.x;
+setp.eq.u32 lead, tid, 0;
+INITS
+fence.mbarrier_init.release.cluster;
+bar.sync 0;
+}"""
+
+
+def _mgpu():
+    """(plgpu, mgpu utils, ir, llvm, nvvm, arith): CUDA-only imports, made when tracing."""
+    import jax.experimental.mosaic.gpu.utils as mgpu_utils  # noqa: PLC0415
+    import jax.experimental.pallas.mosaic_gpu as plgpu  # noqa: PLC0415
+    from jax._src.lib.mlir import ir  # noqa: PLC0415
+    from jax._src.lib.mlir.dialects import arith, llvm, nvvm  # noqa: PLC0415
+
+    return plgpu, mgpu_utils, ir, llvm, nvvm, arith
+
+
+def _init_barriers(bars_ref, count: int):
+    """Thread 0 initializes ``count`` mbarriers (one arrival each); then the whole CTA syncs."""
+    plgpu, mgpu_utils, ir, llvm, _, _ = _mgpu()
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def init(ctx, bars):
+        del ctx
+        inits = "\n".join(
+            f"@lead mbarrier.init.shared::cta.b64 [$0+{8 * i}], 1;" for i in range(count)
+        )
+        llvm.inline_asm(
+            ir.Type.parse("!llvm.void"),
+            [mgpu_utils.memref_ptr(bars)],
+            _INIT_PTX.replace("INITS", inits),
+            "l",
+            has_side_effects=True,
+        )
+
+    init(bars_ref)
+
+
+def _gather_tile(records_ref, idx_ref, raw_ref, bar_ref, ids_ref, sc_ref, remaining, rows: int):
+    """Producer warpgroup, one tile of keys ``idx[:min(T, remaining)]``.
+
+    Lane j < T: ``key = idx[j]`` (-1 past ``remaining`` or outside [0, rows): such a key's
+    record is not read; row 0 is copied in its place, so the tile's byte count is fixed); one
+    ``cp.async.bulk`` of record ``max(key, 0)`` -> ``raw[j]`` completing on ``bar``;
+    ``ids[j] = key``; ``sc[c, j]`` = the record's scale c (0 for -1). After a producer-wide
+    barrier lane 0 arms ``bar`` with the tile's bytes, a release: the ids and scales are
+    visible to whoever acquires the completed phase.
+    """
+    plgpu, mgpu_utils, ir, llvm, _, _ = _mgpu()
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 6 + (plgpu.Layout.WG_SPLAT(shape=()),))
+    def gather(ctx, records, idx, raw, bar, ids, sc, remaining):
+        del ctx
+        ptrs = [mgpu_utils.memref_ptr(r) for r in (records, idx, raw, bar, ids, sc)]
+        llvm.inline_asm(
+            ir.Type.parse("!llvm.void"),
+            [*ptrs, remaining.registers.item()],
+            _GATHER_PTX.replace("ROWS", str(rows)),
+            "l,l,l,l,l,l,r",
+            has_side_effects=True,
+        )
+
+    gather(records_ref, idx_ref, raw_ref, bar_ref, ids_ref, sc_ref, remaining)
+
+
+def _wait(bar_ref, parity):
+    """Every thread of the warpgroup waits for (acquires) phase ``parity`` of the mbarrier."""
+    plgpu, mgpu_utils, ir, _, nvvm, arith = _mgpu()
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=())))
+    def wait(ctx, bar, parity):
+        del ctx
+        ticks = arith.constant(ir.IntegerType.get_signless(32), 10_000_000)
+        nvvm.mbarrier_try_wait_parity(mgpu_utils.memref_ptr(bar), parity.registers.item(), ticks)
+
+    wait(bar_ref, parity)
+
+
+def _kernel(
+    records_ref,
+    q_ref,
+    idx_ref,
+    work_ref,
+    scale_ref,
+    o_ref,
+    lse_ref,
+    q_smem,
+    raw,
+    ids_smem,
+    sc_smem,
+    p_smem,
+    v_smem,
+    o_smem,
+    lse_smem,
+    work_smem,
+    scale_smem,
+    rec_bars,
+    setup,
+    consumed,
+    *,
+    m: int,
+):
+    """One CTA: heads [hb * m, hb * m + m) of row group g, split ``split`` of its keys.
+
+    Refs (GMEM): records [N, 656] uint8; q [G, HB, BLOCKS, m, DB] bf16; idx [nnz + T] int32
+    (T trailing entries that are never used); work [G, S, WORK] int32 (first position in idx,
+    key count, 0...); scale [64] f32 (sm_scale * log2 e); o [G, S, HB, 512, m] f32 (O^T,
+    permuted dims); lse [G, S, HB, 64] f32 (log2 units in the first m entries; -inf for a head
+    without keys).
+    """
+    plgpu = _mgpu()[0]
+    hbs = q_ref.shape[1]
+    g = jax.lax.div(jax.lax.axis_index("gh"), hbs)
+    hb = jax.lax.rem(jax.lax.axis_index("gh"), hbs)
+    split = jax.lax.axis_index("split")
+    wg = jax.lax.axis_index("wg")
+    stages = stages_for(m)
+    wgmma = plgpu.Layout.WGMMA
+    per_key = wgmma.reduce(1)  # one value per row of S^T (a key)
+    per_head = wgmma.reduce(0)  # one value per column of S^T (a head)
+
+    def by_key(v):  # [T] per-key values broadcast over the heads: [T, m]
+        return jax.lax.broadcast_in_dim(v, (T, m), [0])
+
+    def by_head(v, rows=T):  # [m] per-head values broadcast over rows: [rows, m]
+        return jax.lax.broadcast_in_dim(v, (rows, m), [1])
+
+    _init_barriers(rec_bars, stages)
+
+    @pl.when(wg == 0)
+    def _():
+        plgpu.copy_gmem_to_smem(q_ref.at[g, hb], q_smem, setup)
+        plgpu.copy_gmem_to_smem(work_ref.at[g, split], work_smem, setup)
+        plgpu.copy_gmem_to_smem(scale_ref, scale_smem, setup)
+
+    plgpu.barrier_wait(setup)
+    first = work_smem[0]
+    length = work_smem[1]
+    count = (length + T - 1) // T
+
+    @pl.when(wg == 1)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+
+        @pl.loop(0, count)
+        def _(t):
+            stage = jax.lax.rem(t, stages)
+
+            @pl.when(t >= stages)
+            def _():
+                plgpu.barrier_wait(consumed.at[stage])
+
+            _gather_tile(
+                records_ref,
+                idx_ref.at[pl.ds(first + t * T, T)],
+                raw.at[stage],
+                rec_bars.at[pl.ds(stage, 1)],
+                ids_smem.at[stage],
+                sc_smem.at[stage],
+                length - t * T,
+                records_ref.shape[0],
+            )
+
+    @pl.when(wg == 0)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+        scale = plgpu.load(scale_smem.at[pl.ds(0, m)], (), layout=per_head)
+
+        def codes(stage, c, parity):
+            """bf16 codes [T keys, DB dims] of latent block (c, parity), WGMMA layout."""
+            w = plgpu.load(raw.at[stage, :, pl.ds(DB * c, DB)], (), layout=wgmma)
+            b = ((w >> (8 * parity)) & 0xFF).astype(jnp.uint8)
+            f8 = jax.lax.bitcast_convert_type(b, jnp.float8_e4m3fn)
+            return f8.astype(jnp.float16).astype(jnp.bfloat16)  # both exact
+
+        def scores(stage):
+            """S^T [T, m] f32 per scale chunk (CHUNKS of them), then the rope's.
+
+            The bf16 K blocks also go to ``v_smem`` for P @ V. One wgmma wait for all nine.
+            """
+
+            def run(accs):
+                for c in range(CHUNKS):
+                    for parity in range(2):
+                        k = codes(stage, c, parity)
+                        v_smem[2 * c + parity] = k
+                        q_t = plgpu.transpose_ref(q_smem.at[2 * c + parity], (1, 0))
+                        plgpu.wgmma(accs[c], k, q_t)
+                rope = plgpu.load(raw.at[stage, :, pl.ds(ROPE_WORD, DB)], (), layout=wgmma)
+                rope = jax.lax.bitcast_convert_type(rope, jnp.bfloat16)
+                plgpu.wgmma(accs[CHUNKS], rope, plgpu.transpose_ref(q_smem.at[BLOCKS - 1], (1, 0)))
+                return [a[...] for a in accs]
+
+            return pl.run_scoped(run, [plgpu.ACC((T, m), jnp.float32)] * (CHUNKS + 1))
+
+        def tile(t, carry):
+            m_run, l_run, accs = carry
+            stage = jax.lax.rem(t, stages)
+            _wait(rec_bars.at[pl.ds(stage, 1)], jax.lax.rem(t // stages, 2))
+            ids = plgpu.load(ids_smem.at[stage], (), layout=per_key)
+            sc = [plgpu.load(sc_smem.at[stage, c], (), layout=per_key) for c in range(CHUNKS)]
+            parts = scores(stage)
+            s = parts[CHUNKS]
+            for c in range(CHUNKS):
+                s = s + parts[c] * by_key(sc[c])
+            s = jnp.where(by_key(ids) >= 0, s * by_head(scale), -jnp.inf)  # log2 units
+            m_new = jnp.maximum(m_run, s.max(axis=0))
+            m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m_run - m_ref)
+            p = jnp.exp2(s - by_head(m_ref))
+            l_run = l_run * alpha + p.sum(axis=0)
+            for c in range(CHUNKS):
+                p_smem[c] = (p * by_key(sc[c])).astype(jnp.bfloat16)
+            plgpu.commit_smem()  # P^T and V visible to wgmma; every read of the stage is done
+            plgpu.barrier_arrive(consumed.at[stage])
+
+            def pv(acc_refs):
+                for b in range(2 * CHUNKS):
+                    v_t = plgpu.transpose_ref(v_smem.at[b], (1, 0))
+                    plgpu.wgmma(acc_refs[b], v_t, p_smem.at[b // 2])
+
+            accs = pl.run_state(pv)(tuple(plgpu.ACC.init(a * by_head(alpha, DB)) for a in accs))
+            return m_new, l_run, list(accs)
+
+        m0 = plgpu.layout_cast(jnp.full((m,), -jnp.inf, jnp.float32), per_head)
+        l0 = plgpu.layout_cast(jnp.full((m,), 0.0, jnp.float32), per_head)
+        zero = plgpu.layout_cast(jnp.zeros((DB, m), jnp.float32), wgmma)
+        m_run, l_run, accs = jax.lax.fori_loop(0, count, tile, (m0, l0, [zero] * (2 * CHUNKS)))
+        has = l_run != 0
+        inv_l = jnp.where(has, 1.0 / jnp.where(has, l_run, 1.0), 0.0)
+        for b, acc in enumerate(accs):
+            o_smem[...] = acc * by_head(inv_l, DB)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[g, split, hb, pl.ds(DB * b, DB)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.commit_smem()  # (a warpgroup barrier) o_smem is free again for every thread
+        lse_smem[pl.ds(0, m)] = jnp.where(
+            has, m_run + jnp.log2(jnp.where(has, l_run, 1.0)), -jnp.inf
+        )
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[g, split, hb])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _scratch(m: int):
+    """The SMEM buffers and barriers of one CTA, in ``_kernel``'s order."""
+    plgpu = _mgpu()[0]
+    stages = stages_for(m)
+    pv_swizzle = plgpu.find_swizzle(m * 16, "rhs")  # one P^T row: m bf16
+
+    def swizzled(shape, swizzle):
+        transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+        return plgpu.SMEM(shape, jnp.bfloat16, transforms=transforms)
+
+    return [
+        swizzled((BLOCKS, m, DB), 128),
+        plgpu.SMEM((stages, T, WORDS), jnp.uint16),
+        plgpu.SMEM((stages, T), jnp.int32),
+        plgpu.SMEM((stages, CHUNKS, T), jnp.float32),
+        swizzled((CHUNKS, T, m), pv_swizzle),
+        swizzled((2 * CHUNKS, T, DB), pv_swizzle),  # wgmma wants both operands' swizzles equal
+        plgpu.SMEM((DB, m), jnp.float32),
+        plgpu.SMEM((64,), jnp.float32),
+        plgpu.SMEM((WORK,), jnp.int32),
+        plgpu.SMEM((64,), jnp.float32),
+        plgpu.SMEM((stages,), jnp.int64),  # the record mbarriers (inline PTX)
+        plgpu.Barrier(num_arrivals=3),
+        plgpu.Barrier(num_barriers=stages),
+    ]
+
+
+def _work(idx, indptr, num_splits: int):
+    """[G, S, WORK] int32: (first position in idx, key count, then 0s) of each split; a row's
+    splits are cut at multiples of T. indptr entries are clipped to [0, nnz]."""
+    nnz = idx.shape[0]
+    start = jnp.clip(indptr[:-1], 0, nnz)
+    length = jnp.clip(indptr[1:], start, nnz) - start
+    per = T * ((length + T * num_splits - 1) // (T * num_splits))
+    s = jnp.arange(num_splits, dtype=jnp.int32)[None, :]
+    lo = jnp.minimum(s * per[:, None], length[:, None])
+    hi = jnp.minimum(lo + per[:, None], length[:, None])
+    work = jnp.stack([start[:, None] + lo, hi - lo], axis=-1).astype(jnp.int32)
+    return jnp.pad(work, ((0, 0), (0, 0), (0, WORK - 2)))
+
+
+def choose_splits(ctas: int, avg_tiles: float) -> int:
+    """Splits per row so that the CTAs fill the GPU once, each split keeping at least
+    MIN_SPLIT_TILES tiles of an average row."""
+    want = -(-TARGET_CTAS // max(ctas, 1))
+    return int(max(1, min(want, avg_tiles // MIN_SPLIT_TILES)))
+
+
+def sparse_mla_mosaic(q, kv, idx, indptr, sm_scale):
+    """Sparse MLA (the ``sparse_mla_xla`` contract) with the Mosaic GPU kernel (CUDA only).
+
+    Args:
+      q: [n_q, H, 576] bf16; kv: [..., 656] uint8 records; idx [nnz] / indptr [n_q + 1] int32.
+      sm_scale: float32 scalar.
+    Returns:
+      out [n_q, H, 512] bf16 and lse [n_q, H] float32.
+    """
+    plgpu = _mgpu()[0]
+    n_q, h, _ = q.shape
+    records = kv.reshape(-1, RECORD_BYTES)
+    rows, nnz = records.shape[0], idx.shape[0]
+    if n_q == 0 or h == 0 or nnz == 0 or rows == 0:
+        return no_keys(n_q, h)
+    if rows >= 2**31:
+        raise NotImplementedError("the Mosaic GPU sparse_mla reads int32 record indices")
+    m = heads_per_cta(h)
+    hbs = -(-h // m)
+    splits = choose_splits(n_q * hbs, nnz / T / n_q)
+    work = _work(idx, indptr, splits)
+    scale = jnp.full((64,), jnp.float32(sm_scale) * LOG2E, jnp.float32)
+    o_t, lse2 = plgpu.kernel(
+        functools.partial(_kernel, m=m),
+        out_type=(
+            jax.ShapeDtypeStruct((n_q, splits, hbs, LATENT_DIM, m), jnp.float32),
+            jax.ShapeDtypeStruct((n_q, splits, hbs, 64), jnp.float32),
+        ),
+        scratch_types=_scratch(m),
+        grid=(n_q * hbs, splits),  # a row's head blocks side by side: their gathers share L2
+        grid_names=("gh", "split"),
+        num_threads=2,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True,
+            lowering_semantics=plgpu.LoweringSemantics.Lane,
+            unsafe_no_auto_barriers=True,  # the kernel places its own (see _kernel)
+        ),
+    )(records, _permute_q(q, m, hbs), jnp.pad(idx, (0, T)), work, scale)
+    o = o_t.swapaxes(-1, -2).reshape(n_q, splits, hbs * m, LATENT_DIM)[:, :, :h]
+    lse = lse2[..., :m].reshape(n_q, splits, hbs * m)[:, :, :h] / LOG2E
+    o, lse = merge_partials(_unpermute_out(o), lse)
+    return o.astype(jnp.bfloat16), lse
