@@ -13,7 +13,7 @@ from typing import TypeVar
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("xla", "gfx950_emulation", "pallas", "flydsl")
+IMPLEMENTATIONS = ("xla", "gfx950_emulation", "pallas", "mosaic", "flydsl")
 
 F = TypeVar("F")
 

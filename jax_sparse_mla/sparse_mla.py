@@ -21,7 +21,8 @@ from jax_sparse_mla._platform import by_platform, gfx950_or, hopper_or
 from jax_sparse_mla.emulation.sparse_mla import sparse_mla_gfx950_emulation
 from jax_sparse_mla.ffi.calls import sparse_mla_flydsl, sparse_mla_unsupported
 from jax_sparse_mla.formats import KV_DIM, MAX_KERNEL_SCALE, RECORD_BYTES, SCALES_OFFSET
-from jax_sparse_mla.kernels.pallas.sparse_mla import sparse_mla_kernel, sparse_mla_pallas
+from jax_sparse_mla.kernels.mosaic.sparse_mla import sparse_mla_mosaic, sparse_mla_mosaic_cuda
+from jax_sparse_mla.kernels.pallas.sparse_mla import sparse_mla_pallas
 from jax_sparse_mla.reference.sparse_mla import no_keys, sparse_mla_xla
 
 DEFAULT_SM_SCALE = KV_DIM**-0.5
@@ -49,10 +50,11 @@ _IMPLEMENTATIONS = {
         for name, fn in {
             "gfx950_emulation": _lse_if(sparse_mla_gfx950_emulation),
             "pallas": _lse_if(sparse_mla_pallas),
+            "mosaic": _lse_if(sparse_mla_mosaic_cuda),
             "flydsl": sparse_mla_flydsl,
             None: by_platform(
                 default=_XLA,
-                cuda=hopper_or(_lse_if(sparse_mla_kernel), _XLA),
+                cuda=hopper_or(_lse_if(sparse_mla_mosaic), _XLA),
                 rocm=gfx950_or("sparse_mla", sparse_mla_flydsl, _XLA, sparse_mla_unsupported),
             ),
         }.items()
@@ -98,9 +100,10 @@ def sparse_mla(
         ln(factor) + 1``, with the config's rope_scaling factor 40 and mscale_all_dim 1:
         ``192 ** -0.5 * 1.3689 ** 2 ≈ 0.1352``).
       return_lse: also return the natural-log LSE of the scaled scores.
-      implementation: None (the FlyDSL kernel on gfx950 ROCm GPUs, the Pallas kernel on Hopper
-        GPUs, "xla" elsewhere), "xla" (exact, every platform), "pallas" (compiled on CUDA, Pallas
-        interpret mode elsewhere), "flydsl" (the gfx950 kernel, an XLA FFI custom call on ROCm;
+      implementation: None (the FlyDSL kernel on gfx950 ROCm GPUs, the Mosaic GPU kernel on
+        Hopper GPUs, "xla" elsewhere), "xla" (exact, every platform), "mosaic" (the Mosaic GPU
+        kernel: CUDA Hopper only, no interpret mode), "pallas" (the Pallas Triton kernel:
+        compiled on CUDA, Pallas interpret mode elsewhere), "flydsl" (the gfx950 kernel, an XLA FFI custom call on ROCm;
         needs a static sm_scale), "gfx950_emulation" (the gfx950 kernel's own arithmetic in jnp,
         every platform).
       validate: check the data-dependent preconditions (see ``validate_sparse_mla``); raises

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jax_sparse_mla._platform import by_platform
 from jax_sparse_mla.formats import LATENT_DIM, RECORD_BYTES, ROPE_OFFSET, SCALES_OFFSET
 from jax_sparse_mla.reference.attention import merge_partials
 from jax_sparse_mla.reference.sparse_mla import no_keys
@@ -476,3 +477,20 @@ def sparse_mla_mosaic(q, kv, idx, indptr, sm_scale):
     lse = lse2[..., :m].reshape(n_q, splits, hbs * m)[:, :, :h] / LOG2E
     o, lse = merge_partials(_unpermute_out(o), lse)
     return o.astype(jnp.bfloat16), lse
+
+
+def _needs_cuda(*_):
+    raise NotImplementedError(
+        "jax_sparse_mla: implementation='mosaic' is a Mosaic GPU kernel for NVIDIA Hopper "
+        "(sm_90a, inline PTX and wgmma) and has no interpret mode; use 'xla' or 'pallas' here, "
+        "or lower for CUDA"
+    )
+
+
+def _off_cuda(q, kv, idx, indptr, sm_scale):
+    """The non-CUDA branch: fails when run, naming the remedy (a CUDA lowering never holds it)."""
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), no_keys(*q.shape[:2]))
+    return jax.pure_callback(_needs_cuda, shapes, q)
+
+
+sparse_mla_mosaic_cuda = by_platform(default=_off_cuda, cuda=sparse_mla_mosaic)

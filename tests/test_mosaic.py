@@ -1,0 +1,113 @@
+"""The Mosaic GPU sparse_mla kernel on any machine: its layout helpers against NumPy, and its
+CUDA lowering (lowered here without a GPU).
+
+Its numerics run in the shared suites (tests/test_sparse_mla.py and the others, through
+tests/impls.py) on a Hopper GPU only: the kernel is inline PTX and wgmma and has no interpret
+mode.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_sparse_mla as jsm
+from jax_sparse_mla.kernels.mosaic import sparse_mla as K
+
+
+def test_permute_q_blocks_hold_even_and_odd_dims():
+    """Block 2c + p, column j holds latent dim 128c + 2j + p; block 8 is the rope; heads are
+    padded with zeros to hbs * m."""
+    rng = np.random.default_rng(0)
+    q = rng.normal(size=(3, 20, 576)).astype(np.float32)
+    blocks = np.asarray(K._permute_q(jnp.asarray(q), 16, 2))
+    assert blocks.shape == (3, 2, K.BLOCKS, 16, K.DB)
+    heads = blocks.transpose(0, 1, 3, 2, 4).reshape(3, 32, K.BLOCKS, K.DB)
+    for c in range(K.CHUNKS):
+        for p in range(2):
+            np.testing.assert_array_equal(
+                heads[:, :20, 2 * c + p], q[:, :, 128 * c + p : 128 * c + 128 : 2]
+            )
+    np.testing.assert_array_equal(heads[:, :20, -1], q[:, :, 512:])
+    assert not heads[:, 20:].any()
+
+
+def test_unpermute_out_inverts_the_block_order():
+    o = np.arange(2 * 512, dtype=np.float32).reshape(2, 512)
+    permuted = np.concatenate(
+        [o[:, 128 * c + p : 128 * c + 128 : 2] for c in range(K.CHUNKS) for p in range(2)], axis=1
+    )
+    np.testing.assert_array_equal(np.asarray(K._unpermute_out(jnp.asarray(permuted))), o)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_work_covers_each_row_once_in_tile_multiples(splits):
+    """Each row's splits tile [start, start + length) in order, cut at multiples of T, with
+    indptr clipped to [0, nnz] (a decreasing entry makes an empty row)."""
+    nnz = 1000
+    indptr = np.array([0, 0, 130, 129, 700, 2000, 900], np.int32)
+    work = np.asarray(K._work(jnp.zeros(nnz, jnp.int32), jnp.asarray(indptr), splits))
+    assert work.shape == (6, splits, K.WORK) and not work[..., 2:].any()
+    for r in range(6):
+        start = min(max(indptr[r], 0), nnz)
+        end = min(max(indptr[r + 1], start), nnz)
+        pos = start
+        for s in range(splits):
+            first, length = work[r, s, :2]
+            assert length >= 0 and (length == 0 or first == pos)
+            if s < splits - 1 and work[r, s + 1, 1]:
+                assert length % K.T == 0
+            pos += length
+        assert pos == end, (r, work[r])
+
+
+def test_stages_fit_shared_memory():
+    for m in (16, 32):
+        assert 1 <= K.stages_for(m) <= K.MAX_STAGES
+
+
+def _lowered_text(n_q, h, rows, topk):
+    args = (
+        jax.ShapeDtypeStruct((n_q, h, 576), jnp.bfloat16),
+        jax.ShapeDtypeStruct((rows, 656), jnp.uint8),
+        jax.ShapeDtypeStruct((n_q * topk,), jnp.int32),
+        jax.ShapeDtypeStruct((n_q + 1,), jnp.int32),
+    )
+    fn = jax.jit(lambda *a: jsm.sparse_mla(*a, implementation="mosaic", return_lse=True))
+    return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("h", [1, 16, 17, 32, 64, 128])
+def test_cuda_lowering_hands_the_cache_itself_to_the_kernel(h):
+    """One Mosaic GPU custom call per op call, whose cache operand is the argument itself (no
+    view, pad or copy of it), for any head count (16 or 32 heads per CTA)."""
+    text = _lowered_text(3, h, 5000, 200)
+    calls = re.findall(r"stablehlo\.custom_call @mosaic_gpu\w*\(([^)]*)\)", text)
+    assert len(calls) == 1, text[:2000]
+    assert calls[0].split(",")[0].strip() == "%arg1"
+
+
+def test_cuda_lowering_of_a_cache_over_4_gib_has_no_copy_of_it():
+    """Past 2^32 bytes (and past 2^31 records' bytes) the kernel still reads the cache in place:
+    its byte offsets are 64-bit (``mul.wide`` in the gather)."""
+    rows = 2**32 // 656 + 10
+    text = _lowered_text(2, 16, rows, 64)
+    calls = re.findall(r"stablehlo\.custom_call @mosaic_gpu\w*\(([^)]*)\)", text)
+    assert calls and calls[0].split(",")[0].strip() == "%arg1"
+    assert "mul.wide.s32" in K._GATHER_PTX
+
+
+def test_more_than_2_31_records_is_refused_by_name():
+    args = (
+        jax.ShapeDtypeStruct((1, 16, 576), jnp.bfloat16),
+        jax.ShapeDtypeStruct((2**31, 656), jnp.uint8),
+        jax.ShapeDtypeStruct((64,), jnp.int32),
+        jax.ShapeDtypeStruct((2,), jnp.int32),
+    )
+    fn = jax.jit(lambda *a: K.sparse_mla_mosaic(*a, 0.1))
+    with pytest.raises(NotImplementedError, match="int32 record indices"):
+        fn.trace(*args)
