@@ -103,9 +103,9 @@ def sparse_mla(
       implementation: None (the FlyDSL kernel on gfx950 ROCm GPUs, the Mosaic GPU kernel on
         Hopper GPUs, "xla" elsewhere), "xla" (exact, every platform), "mosaic" (the Mosaic GPU
         kernel: CUDA Hopper only, no interpret mode), "pallas" (the Pallas Triton kernel:
-        compiled on CUDA, Pallas interpret mode elsewhere), "flydsl" (the gfx950 kernel, an XLA FFI custom call on ROCm;
-        needs a static sm_scale), "gfx950_emulation" (the gfx950 kernel's own arithmetic in jnp,
-        every platform).
+        compiled on CUDA, Pallas interpret mode elsewhere), "flydsl" (the gfx950 kernel, an XLA
+        FFI custom call on ROCm; needs a static sm_scale), "gfx950_emulation" (the gfx950
+        kernel's own arithmetic in jnp, every platform).
       validate: check the data-dependent preconditions (see ``validate_sparse_mla``); raises
         ValueError on concrete inputs; under ``jax.jit`` a failure stops the call with a
         ``jax.errors.JaxRuntimeError`` carrying the same message, or inside ``checked`` raises

@@ -1,1 +1,1 @@
-"""Pallas Mosaic GPU kernels for NVIDIA Hopper (sm_90a): warp-specialized, wgmma, bulk-copy gathers."""
+"""Pallas Mosaic GPU kernels for NVIDIA Hopper (sm_90a): warp-specialized, wgmma, bulk copies."""
