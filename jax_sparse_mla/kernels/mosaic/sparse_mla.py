@@ -51,7 +51,7 @@ ROPE_WORD = ROPE_OFFSET // 2  # 264
 SMEM_BYTES = 227 * 1024  # an H200 CTA's shared memory
 SMEM_SLACK = 12288  # barriers, reduction scratch and alignment, measured on the CUDA lowering
 MAX_STAGES = 4
-MIN_SPLIT_TILES = 4  # a split keeps at least this many tiles of an average row
+MIN_SPLIT_TILES = 2  # a split keeps at least this many tiles of an average row
 TARGET_CTAS = 132  # one CTA per H200 SM at a time
 LOG2E = math.log2(math.e)
 WORK = 32  # int32 words per CTA work entry (Pallas copies move multiples of 128 bytes)
@@ -428,9 +428,10 @@ def _work(idx, indptr, num_splits: int):
 
 
 def choose_splits(ctas: int, avg_tiles: float) -> int:
-    """Splits per row so that the CTAs fill the GPU once, each split keeping at least
-    MIN_SPLIT_TILES tiles of an average row."""
-    want = -(-TARGET_CTAS // max(ctas, 1))
+    """Splits per row so that the CTAs fill the GPU in one wave at most (a second, partial
+    wave costs a whole tile walk), each split keeping at least MIN_SPLIT_TILES tiles of an
+    average row."""
+    want = TARGET_CTAS // max(ctas, 1)
     return int(max(1, min(want, avg_tiles // MIN_SPLIT_TILES)))
 
 
