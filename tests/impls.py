@@ -1,25 +1,33 @@
 """The implementations the shared op suites run against on this machine, and each one's tolerance.
 
 Every op suite (test_sparse_mla, test_mla_decode, test_ultraquant, test_transforms,
-test_properties, test_memory) is parametrized over ``available()``: the exact "xla" path, the
-gfx950 emulation, "pallas" (compiled on a CUDA GPU, Pallas interpret mode elsewhere) and, on an
-MI355 (gfx950) only, the "flydsl" kernels. Each is checked against the float64 oracle
-(tests/oracle.py) with its own derived bound:
+test_properties, test_memory, test_causal, test_gradients, test_indptr, test_inputs) is
+parametrized per op over ``available(op)``: the names of that op's implementation table that
+run here. Those are the exact "xla" path, the gfx950 emulation, "pallas" (compiled on a CUDA GPU,
+Pallas interpret mode elsewhere), on a Hopper (or newer) NVIDIA GPU only "mosaic" (the Mosaic
+GPU kernel: no interpret mode; sparse_mla only so far) and, on an MI355 (gfx950) only, the
+"flydsl" kernels. A test of one op is parametrized with that op's decorator (``each_sparse``,
+``each_decode``, ``each_partials``, ``each_merge``, ``each_ultraquant``), a test that runs
+several ops with ``each_of(*ops)`` (the names every one of them has). Each implementation is
+checked against the float64 oracle (tests/oracle.py) with its own derived bound:
 
 * "xla": ``oracle.check_attention`` (the bf16 output rounding on top of float32 arithmetic);
-* "pallas": ``pallas_checks.check_kernel_attention`` (that plus ``2^-8 max|V|`` for P in bf16);
+* "pallas" and "mosaic": ``pallas_checks.check_kernel_attention`` (that plus ``2^-8 max|V|``
+  for P in bf16);
 * "gfx950_emulation" and "flydsl": the bounds that tests/test_emulation_*.py derive from the
   emulation's arithmetic, which the kernels share (``expected`` for sparse_mla,
   ``expected_partials`` / ``merged_bound`` / ``merge_bound`` for mla_decode and the merge,
   ``oracle_on`` the kernel's query for ultraquant_decode).
 
-``default()`` is what ``implementation=None`` picks here; tests about None check its output
-with that implementation's tolerance.
+``default(op)`` is what ``implementation=None`` picks here for ``op`` (for sparse_mla also by
+q's shape: on a Hopper GPU "mosaic" or "pallas"); tests about None check its output with that
+implementation's tolerance.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +45,16 @@ from tests import test_emulation_ultraquant as UE
 from tests.pallas_checks import check_kernel_attention
 
 GFX950 = ("gfx950_emulation", "flydsl")  # share the emulation's bounds
+BF16_P = ("pallas", "mosaic")  # GPU kernels that round P to bf16 before P V
+
+# op -> the module whose ``_IMPLEMENTATIONS`` table (name -> function) serves it
+OP_MODULES = {
+    "sparse_mla": "jax_sparse_mla.sparse_mla",
+    "mla_decode": "jax_sparse_mla.mla_decode",
+    "mla_decode_partials": "jax_sparse_mla.mla_decode",
+    "merge_attn_states": "jax_sparse_mla.mla_decode",
+    "ultraquant_decode": "jax_sparse_mla.ultraquant",
+}
 
 
 @functools.cache
@@ -52,20 +70,54 @@ def has_cuda() -> bool:
         return False
 
 
-@functools.cache
-def available() -> tuple[str, ...]:
-    """The implementation names that run on this machine, "xla" first."""
-    names = ("xla", "gfx950_emulation", "pallas")
-    return (*names, "flydsl") if has_gfx950() else names
+def implementations(op: str) -> tuple[str, ...]:
+    """The implementation names of ``op``'s table (jax_sparse_mla's ``_IMPLEMENTATIONS``)."""
+    if op not in OP_MODULES:
+        raise ValueError(f"unknown op {op!r}: one of {tuple(OP_MODULES)}")
+    table = importlib.import_module(OP_MODULES[op])._IMPLEMENTATIONS
+    return tuple(name for name in table if name is not None)
+
+
+def has_mosaic() -> bool:
+    """True where "mosaic" runs: a CUDA GPU of Hopper or newer (it has no interpret mode)."""
+    return has_cuda() and cuda_is_hopper()
 
 
 @functools.cache
-def default() -> str:
-    """What ``implementation=None`` runs here: "flydsl" on an MI355, "pallas" on a Hopper (or
-    newer) NVIDIA GPU, "xla" elsewhere."""
+def available(op: str | None = None) -> tuple[str, ...]:
+    """The implementation names that run on this machine, "xla" first; with ``op`` only those
+    that op has (``implementations(op)``)."""
+    names = ["xla", "gfx950_emulation", "pallas"]
+    if has_mosaic():
+        names.append("mosaic")
+    if has_gfx950():
+        names.append("flydsl")
+    if op is not None:
+        names = [n for n in names if n in implementations(op)]
+    return tuple(names)
+
+
+def common(*ops: str) -> tuple[str, ...]:
+    """The names of ``available()`` that every one of ``ops`` has (a test running them all)."""
+    return tuple(n for n in available() if all(n in available(op) for op in ops))
+
+
+@functools.cache
+def default(op: str, shape: tuple[int, ...] | None = None) -> str:
+    """What ``implementation=None`` runs here for ``op``: "flydsl" on an MI355; on a Hopper (or
+    newer) NVIDIA GPU "pallas", except for sparse_mla, whose choice there depends on q's
+    ``shape`` (``sparse_mla.hopper_choice``: "mosaic" for up to 32 heads and at least 128 rows,
+    else "pallas"); "xla" elsewhere. sparse_mla needs ``shape`` (q.shape) on every machine."""
+    implementations(op)  # a known op
+    if op == "sparse_mla" and shape is None:
+        raise TypeError("default('sparse_mla', shape): the Hopper choice depends on q.shape")
     if has_gfx950():
         return "flydsl"
-    return "pallas" if has_cuda() and cuda_is_hopper() else "xla"
+    if not has_mosaic():
+        return "xla"
+    if op == "sparse_mla":
+        return importlib.import_module(OP_MODULES[op]).hopper_choice(*shape[:2])
+    return "pallas"
 
 
 def interpreted(impl: str) -> bool:
@@ -78,7 +130,7 @@ def _f64(x) -> np.ndarray:
 
 
 def _attention_check(impl: str):
-    return check_kernel_attention if impl == "pallas" else O.check_attention
+    return check_kernel_attention if impl in BF16_P else O.check_attention
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,8 +234,9 @@ def check_partials(impl: str, case, num_splits: int, o_parts, lse_parts, what="p
 def merge_tolerance(impl: str, o_parts, lse_parts, ref, ref_lse):
     """(tol, lse_tol) of merge_attn_states against ``oracle.merge_attn_states``.
 
-    "xla" / "pallas": f32 weights, ~ a few 2^-24 relative on each term (``2^-20 max_s |o_s|``),
-    plus the output rounding when o_parts is bf16 (``2^-8 |ref|``); lse ``2^-21 (|lse| + 1)``.
+    "xla" / "pallas" / "mosaic": f32 weights, ~ a few 2^-24 relative on each term
+    (``2^-20 max_s |o_s|``), plus the output rounding when o_parts is bf16 (``2^-8 |ref|``); lse
+    ``2^-21 (|lse| + 1)``.
     gfx950: the emulated combine's bound (``merge_bound``, bf16 output whatever the input)."""
     o64, l64 = _f64(o_parts), _f64(lse_parts)
     live = np.isfinite(l64)[..., None]
@@ -227,7 +280,17 @@ def check_uq(impl: str, case, out, sm_scale=1 / 16, num_partitions=None, what="u
     _attention_check(impl)(out, ref, st, heads_per_entry=g, what=what)
 
 
-each = pytest.mark.parametrize("impl", available())  # a test run with every implementation
+def each_of(*ops: str):
+    """Parametrizes a test over the implementations here that every one of ``ops`` has."""
+    return pytest.mark.parametrize("impl", common(*ops))
+
+
+# A test of one op, run with every implementation of that op on this machine
+each_sparse = each_of("sparse_mla")
+each_decode = each_of("mla_decode")
+each_partials = each_of("mla_decode_partials")
+each_merge = each_of("merge_attn_states")
+each_ultraquant = each_of("ultraquant_decode")
 
 # From which length of the memory tests (test_memory.py: "short", "long", "very long") on an
 # implementation's compiled temporaries no longer change: fixed key tiles for "xla" and the
@@ -236,5 +299,6 @@ MEMORY_FLAT_FROM = {
     "xla": "short",
     "gfx950_emulation": "short",
     "pallas": "long",
+    "mosaic": "long",
     "flydsl": "long",
 }

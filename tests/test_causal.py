@@ -26,7 +26,7 @@ def _run(impl, c, codes, num_splits=None):
     return fn(c.q, jnp.asarray(codes), jnp.asarray(c.kv_indices), jnp.asarray(c.kv_indptr))
 
 
-@impls.each
+@impls.each_decode
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_hidden_nan_key_changes_nothing(impl, num_splits):
     """Request 0's last key (position 8) is hidden from positions 0..2, seen by position 3.
@@ -46,7 +46,7 @@ def test_hidden_nan_key_changes_nothing(impl, num_splits):
         assert out[QLEN:].tobytes() == out0[QLEN:].tobytes()  # request 1 untouched
 
 
-@impls.each
+@impls.each_decode
 def test_hidden_keys_of_a_short_request(impl):
     """seq_len < qlen: position i sees keys j <= seq_len - qlen + i; a position with no key
     gives 0 and -inf even when every hidden key is NaN."""

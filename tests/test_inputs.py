@@ -9,9 +9,7 @@ import pytest
 import jax_sparse_mla as jsm
 from tests import cases as C
 from tests import oracle as O
-from tests.impls import available
-
-IMPLS = available()
+from tests.impls import available, common
 
 
 def _np(x):
@@ -30,7 +28,7 @@ def _bits_equal(a, b):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", available("sparse_mla"))
 @pytest.mark.parametrize("jit", [False, True])
 def test_sparse_mla_numpy(impl, jit):
     c = C.sparse_case(1, n_q=2, h=2, n_rec=6, n_nan=0, min_len=3, max_len=5, p_empty=0.0)
@@ -42,7 +40,7 @@ def test_sparse_mla_numpy(impl, jit):
     _bits_equal(got, want)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", common("mla_decode", "mla_decode_partials", "merge_attn_states"))
 @pytest.mark.parametrize("jit", [False, True])
 def test_mla_decode_numpy(impl, jit):
     c = C.decode_case(2, seq_lens=(3, 9), h=2, qlen=2, n_nan=0)
@@ -62,7 +60,7 @@ def test_mla_decode_numpy(impl, jit):
     assert o.shape == (4, 2, 512) and lse.shape == (4, 2)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", available("ultraquant_decode"))
 @pytest.mark.parametrize("jit", [False, True])
 def test_ultraquant_numpy(impl, jit):
     c = C.uq_case(3, seq_lens=(5, 20), hk=1, g=2)
@@ -116,7 +114,7 @@ SPARSE_EMPTY = {  # n_q, H, kv rows, nnz
 }
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", available("sparse_mla"))
 @pytest.mark.parametrize("case", SPARSE_EMPTY)
 def test_sparse_mla_empty(impl, case):
     n_q, h, rows, nnz = SPARSE_EMPTY[case]
@@ -142,7 +140,7 @@ DECODE_EMPTY = {  # B, qlen, H, tokens, n
 }
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", common("mla_decode", "mla_decode_partials", "merge_attn_states"))
 @pytest.mark.parametrize("case", DECODE_EMPTY)
 def test_mla_decode_empty(impl, case):
     b, qlen, h, tokens, n = DECODE_EMPTY[case]
@@ -172,7 +170,7 @@ UQ_EMPTY = {  # B, Hq, Hk, num_blocks, block_size
 }
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", available("ultraquant_decode"))
 @pytest.mark.parametrize("case", UQ_EMPTY)
 def test_ultraquant_empty(impl, case):
     b, hq, hk, nb, bs = UQ_EMPTY[case]

@@ -3,10 +3,10 @@
 Measured on XLA's compiled memory analysis (deterministic, no timing, nothing allocated), for a
 short, a long and a very long row. The claims (``impls.MEMORY_FLAT_FROM``): "xla" and the gfx950
 emulation walk the keys in fixed tiles, so their temporaries are the same for every length;
-"pallas" and "flydsl" split long rows over more programs until the GPU is full (at most
-``TARGET_PROGRAMS`` Pallas programs, 16 splits / one partition per CU group for the MI355
-kernels), then stay flat: their partials hold a row's share of the GPU, not the row. Every
-size stays below 64 MB for one row / request.
+"pallas", "mosaic" and "flydsl" split long rows over more programs until the GPU is full (at
+most ``TARGET_PROGRAMS`` Pallas programs, ``TARGET_CTAS`` Mosaic GPU CTAs, 16 splits / one
+partition per CU group for the MI355 kernels), then stay flat: their partials hold a row's share
+of the GPU, not the row. Every size stays below 64 MB for one row / request.
 """
 
 import jax
@@ -36,7 +36,7 @@ def check_claim(impl, temp, sizes):
     assert max(got.values()) < _LIMIT, (impl, got)
 
 
-@impls.each
+@impls.each_sparse
 @pytest.mark.parametrize("heads", [16, 128])
 def test_sparse_mla_temporaries(impl, heads):
     def temp(n_keys):
@@ -51,7 +51,7 @@ def test_sparse_mla_temporaries(impl, heads):
     check_claim(impl, temp, (2_000, 200_000, 2_000_000))
 
 
-@impls.each
+@impls.each_decode
 @pytest.mark.parametrize("num_splits", [4, None])
 def test_mla_decode_temporaries(impl, num_splits):
     # The cache is passed as uint8 codes: XLA:CPU copies a float8_e4m3fn array before gathering
@@ -68,7 +68,7 @@ def test_mla_decode_temporaries(impl, num_splits):
     check_claim(impl, temp, (2_000, 200_000, 2_000_000))
 
 
-@impls.each
+@impls.each_ultraquant
 def test_ultraquant_temporaries(impl):
     def temp(blocks):
         return _temp_bytes(

@@ -32,7 +32,7 @@ def oracle(case, num_splits=None):
     return C.decode_oracle(case, num_splits=num_splits, stats=True)
 
 
-@impls.each
+@impls.each_decode
 @pytest.mark.parametrize("qlen", [1, 2, 4])
 @pytest.mark.parametrize("as_uint8", [False, True])
 def test_decode(impl, qlen, as_uint8):
@@ -40,7 +40,7 @@ def test_decode(impl, qlen, as_uint8):
     impls.check_decode(impl, case, *run(case, impl))
 
 
-@impls.each
+@impls.each_decode
 @pytest.mark.parametrize("h", [1, 16, 128])
 def test_decode_heads(impl, h):
     case = C.decode_case(20 + h, seq_lens=(130, 3), qlen=2, h=h)
@@ -50,13 +50,14 @@ def test_decode_heads(impl, h):
 def test_default_is_the_platform_choice():
     """implementation=None (eager, default scales) runs what it picks on this machine."""
     case = C.decode_case(3, seq_lens=(9, 40), qlen=1, h=2, k_scale=1.0, v_scale=1.0)
+    chosen = impls.default("mla_decode")
     out, lse = jsm.mla_decode(*case.args(), return_lse=True)
-    impls.check_decode(impls.default(), case, out, lse)
-    out2 = jsm.mla_decode(*case.args(), implementation=impls.default())
+    impls.check_decode(chosen, case, out, lse)
+    out2 = jsm.mla_decode(*case.args(), implementation=chosen)
     np.testing.assert_array_equal(np.asarray(out2, np.float32), np.asarray(out, np.float32))
 
 
-@impls.each
+@impls.each_decode
 def test_decode_masked_indices_and_short_sequences(impl):
     # masked indices occupy positions; seq_len < qlen leaves early rows without keys; seq_len 0
     case = C.decode_case(4, seq_lens=(0, 1, 3, 200, 2), qlen=4, h=3, p_masked=0.3)
@@ -71,7 +72,7 @@ def test_decode_masked_indices_and_short_sequences(impl):
     "impl, num_splits",
     [
         (i, s)
-        for i in impls.available()
+        for i in impls.available("mla_decode")
         # None: the implementation's own choice of splits
         for s in ((None, 1, 2, 3, 4, 5, 7, 8, 16) if i == "xla" else (None, 1, 3, 16))
     ],
@@ -84,7 +85,11 @@ def test_num_splits_same_answer(impl, num_splits):
 
 @pytest.mark.parametrize(
     "impl, num_splits",
-    [(i, s) for i in impls.available() for s in ((1, 2, 3, 16) if i == "xla" else (1, 3, 16))],
+    [
+        (i, s)
+        for i in impls.common("mla_decode_partials", "merge_attn_states")
+        for s in ((1, 2, 3, 16) if i == "xla" else (1, 3, 16))
+    ],
 )
 @pytest.mark.parametrize("qlen", [1, 3])
 def test_partials(impl, num_splits, qlen):
@@ -109,7 +114,7 @@ def test_partials(impl, num_splits, qlen):
         2.0**-7 * np.abs(ref)
         + O.attn_atol(n_keys, vmax, sabs)[..., None]
         + 2.0**-9 * np.max(np.abs(O.to_f64(o_parts)), axis=1)
-        + (P_ROUNDING * vmax[..., None] if impl == "pallas" else 0.0)
+        + (P_ROUNDING * vmax[..., None] if impl in impls.BF16_P else 0.0)
     )
     assert np.all(err <= tol)
     fin = np.isfinite(ref_lse)
@@ -118,7 +123,7 @@ def test_partials(impl, num_splits, qlen):
     assert np.all(np.abs(lse[fin] - ref_lse[fin]) <= O.lse_atol(n_keys, sabs, ref_lse)[fin])
 
 
-@impls.each
+@impls.each_partials
 def test_partials_eager(impl):
     case = C.decode_case(8, seq_lens=(3, 300), qlen=1, h=2)
     o_parts, lse_parts = jsm.mla_decode_partials(
@@ -170,7 +175,7 @@ def _random_partials(seed, n=6, s=5, h=3, d=512, p_inf=0.3, dtype=np.float32):
     return jnp.asarray(o, dtype), jnp.asarray(lse), inf
 
 
-@impls.each
+@impls.each_merge
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("jit", [False, True])
 def test_merge(impl, dtype, jit):
@@ -209,7 +214,7 @@ def test_merge_return_lse_false_and_large_lse():
     np.testing.assert_allclose(np.asarray(lse), [[3 + np.log(2)]], rtol=1e-6)
 
 
-@impls.each
+@impls.each_merge
 def test_merge_ignores_o_of_empty_partials(impl):
     # a -inf partial has weight 0: whatever its o holds (here NaN / inf garbage) must not leak
     # (bf16 partials for "flydsl", whose combine kernel takes those)
@@ -225,7 +230,7 @@ def test_merge_ignores_o_of_empty_partials(impl):
     O.assert_within(o, ref, tol, f"merge [{impl}]")
 
 
-@impls.each
+@impls.each_of("mla_decode", "merge_attn_states")
 def test_merge_decode_context_parallel(impl):
     # two "devices" each holding half of every request's keys (by index), merged
     case = C.decode_case(12, seq_lens=(50, 260), qlen=1, h=2)
@@ -243,13 +248,14 @@ def test_merge_decode_context_parallel(impl):
     ref, ref_lse, st = oracle(case)
     n_keys, vmax, sabs = O.stats_atol(st, ref_lse.shape)
     # each half within 2^-8 of its value (bf16), the merge's bf16 output 2^-8 more; P rounded
-    # to bf16 ("pallas") or split into fp8 hi + lo (gfx950: within 2^-8 P) adds 2^-8 max|V|
+    # to bf16 ("pallas", "mosaic") or split into fp8 hi + lo (gfx950: within 2^-8 P) adds
+    # 2^-8 max|V|
     p_term = 2.0**-9 + (0.0 if impl == "xla" else 2.0**-8)
     assert np.all(np.abs(O.to_f64(o) - ref) <= 2.0**-7 * np.abs(ref) + p_term * vmax[..., None])
     assert np.all(np.abs(np.asarray(lse) - ref_lse) <= O.lse_atol(n_keys, sabs, ref_lse) * 2)
 
 
-@impls.each
+@impls.each_of("mla_decode", "mla_decode_partials")
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_non_monotone_indptr(impl, num_splits):
     # without validate, request r reads kv_indices[indptr[r]:indptr[r+1]] (empty when reversed)

@@ -43,7 +43,7 @@ def _sparse(impl, case):
     return fn(*case.args())
 
 
-@impls.each
+@impls.each_sparse
 def test_sparse_mla_random_csr(impl):
     @op_settings(impl)
     @given(
@@ -59,7 +59,7 @@ def test_sparse_mla_random_csr(impl):
     prop()
 
 
-@impls.each
+@impls.each_sparse
 def test_sparse_mla_dense_topk(impl):
     @op_settings(impl)
     @given(topk=hnp.arrays(np.int32, (N_Q, 6), elements=st.integers(-1, R - 1)))
@@ -81,7 +81,7 @@ _DC = C.decode_case(321, seq_lens=(NIDX,), qlen=1, h=H, n_nan=TOK - NIDX)
 DQ = {qlen: C.bf16_normal(_R, (B * qlen, H, 576)) for qlen in (1, 2)}
 
 
-@impls.each
+@impls.each_decode
 def test_mla_decode_random_requests(impl):
     @op_settings(impl)
     @given(
@@ -107,7 +107,7 @@ def test_mla_decode_random_requests(impl):
 # ---------------------------------------------------------------------------------------------
 
 
-@impls.each
+@impls.each_merge
 def test_merge_random(impl):
     # "flydsl"'s combine kernel takes bf16 partials of 512 dims: the drawn ones, zero-padded
     dtype, dim = (jnp.bfloat16, 512) if impl == "flydsl" else (jnp.float32, 8)

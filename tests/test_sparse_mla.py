@@ -30,33 +30,35 @@ def check(impl, case, out, lse, what="sparse_mla"):
     impls.check_sparse(impl, case, out, lse, what)
 
 
-@impls.each
+@impls.each_sparse
 @pytest.mark.parametrize("h", [1, 12, 16, 128])
 def test_heads(impl, h):
     case = C.sparse_case(10 + h, n_q=5 if h < 128 else 3, h=h)
     check(impl, case, *run(case, impl))
 
 
-def test_default_is_the_platform_choice():
-    """implementation=None runs what it picks on this machine (impls.default()): the same
-    results, within that implementation's tolerance, jitted and eager."""
-    case = C.sparse_case(1, n_q=4, h=2, n_rec=20)
+@pytest.mark.parametrize("n_q,h", [(4, 2), (128, 16)])  # on a Hopper GPU: pallas, mosaic
+def test_default_is_the_platform_choice(n_q, h):
+    """implementation=None runs what it picks on this machine for q's shape (impls.default): the
+    same results, within that implementation's tolerance, jitted and eager."""
+    case = C.sparse_case(1, n_q=n_q, h=h, n_rec=20)
+    chosen = impls.default("sparse_mla", case.q.shape)
     out, lse = run(case, None)
-    out2, lse2 = run(case, impls.default())
+    out2, lse2 = run(case, chosen)
     np.testing.assert_array_equal(np.asarray(out2, np.float32), np.asarray(out, np.float32))
     np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
-    check(impls.default(), case, out, lse)
-    check(impls.default(), case, *run(case, None, jit=False), "eager")
+    check(chosen, case, out, lse)
+    check(chosen, case, *run(case, None, jit=False), "eager")
 
 
-@impls.each
+@impls.each_sparse
 @pytest.mark.parametrize("kv_lead", [(46,), (2, 23), (2, 23, 1)])
 def test_kv_leading_shapes(impl, kv_lead):
     case = C.sparse_case(2, n_q=4, h=3, n_rec=40, n_nan=6, kv_lead=kv_lead)
     check(impl, case, *run(case, impl))
 
 
-@impls.each
+@impls.each_sparse
 @pytest.mark.parametrize("sm_scale,q_scale", [(None, 1.0), (0.5, 1.0), (0.01, 4.0), (0.3, 8.0)])
 def test_scales(impl, sm_scale, q_scale):
     # includes a very peaky softmax (scores of several hundred)
@@ -64,7 +66,7 @@ def test_scales(impl, sm_scale, q_scale):
     check(impl, case, *run(case, impl))
 
 
-@impls.each
+@impls.each_sparse
 def test_masking_and_empty_rows(impl):
     r = C.rng(4)
     n_rec = 15  # records 12..14 are NaN garbage that no entry references
@@ -94,7 +96,7 @@ def test_masking_and_empty_rows(impl):
     assert not np.allclose(out[5], out[4])
 
 
-@impls.each
+@impls.each_sparse
 def test_indptr_unusual(impl):
     # decreasing indptr -> empty row; positions past len(idx) are masked
     case = C.sparse_case(5, n_q=5, h=2, n_rec=30)
@@ -106,21 +108,21 @@ def test_indptr_unusual(impl):
     assert np.all(np.isneginf(np.asarray(lse)[1]))
 
 
-@impls.each
+@impls.each_sparse
 def test_indptr_negative_start(impl):
     case = C.sparse_case(6, n_q=3, h=2, n_rec=30, min_len=4)
     case.indptr = np.int32([-3, 2, 2, len(case.idx)])
     check(impl, case, *run(case, impl))
 
 
-@impls.each
+@impls.each_sparse
 def test_random_csr_structures(impl):
     for seed in range(3):
         case = C.sparse_case(100 + seed, n_q=24, h=2, n_rec=50, max_len=60, p_neg=0.2, p_oob=0.1)
         check(impl, case, *run(case, impl), f"seed {seed}")
 
 
-@impls.each
+@impls.each_sparse
 def test_long_rows(impl):
     # a row of 1 key, a row of > 4096 keys, rows of 4095..4097 around a power-of-two tile
     case = C.sparse_case(
@@ -134,7 +136,7 @@ def test_long_rows(impl):
     check(impl, case, *run(case, impl))
 
 
-@impls.each
+@impls.each_sparse
 def test_all_nan_unreferenced_only(impl):
     # every record except the referenced ones is NaN; no row may see it
     r = C.rng(8)
@@ -147,7 +149,7 @@ def test_all_nan_unreferenced_only(impl):
     check(impl, case, *run(case, impl))
 
 
-@impls.each
+@impls.each_sparse
 def test_referenced_nan_record_propagates(impl):
     # Corrupt data that a valid index reaches must surface as NaN in its row only, not be hidden
     # as an empty row (out 0, lse -inf).
@@ -163,7 +165,7 @@ def test_referenced_nan_record_propagates(impl):
     check(impl, clean, out[1:], lse[1:], "the row without the NaN record")
 
 
-@impls.each
+@impls.each_sparse
 def test_dense_to_csr(impl):
     r = C.rng(9)
     topk = r.integers(-1, 30, (7, 5)).astype(np.int32)
@@ -177,7 +179,7 @@ def test_dense_to_csr(impl):
     check(impl, case, *run(case, impl))
 
 
-@impls.each
+@impls.each_sparse
 def test_return_lse_false(impl):
     case = C.sparse_case(11, n_q=3, h=2)
     out = jsm.sparse_mla(
@@ -191,7 +193,7 @@ def test_return_lse_false(impl):
     check(impl, case, out, None)
 
 
-@impls.each
+@impls.each_sparse
 def test_large_scales_and_extreme_records(impl):
     # scale 2^7 records (|latent| up to 57344), zero records (scale 2^-13), tiny records
     r = C.rng(12)
@@ -224,7 +226,7 @@ def test_tolerance_catches_bf16_scores():
         O.check_attention(out, ref, st, bad_lse, ref_lse)
 
 
-@impls.each
+@impls.each_sparse
 def test_degenerate_shapes(impl):
     r = C.rng(14)
     q = C.bf16_normal(r, (3, 2, 576))

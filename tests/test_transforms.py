@@ -35,7 +35,7 @@ def _static_scales_only(impl):
 # ---------------------------------------------------------------------------------------------
 
 
-@impls.each
+@impls.each_sparse
 def test_sparse_mla_vmap_batched_and_shared_kv(impl):
     cs = [C.sparse_case(s, n_q=4, h=2, n_rec=20, n_nan=4, max_len=12) for s in range(3)]
     # pad every case's idx to the same length (extra entries sit past indptr[-1]: unreached)
@@ -56,7 +56,7 @@ def test_sparse_mla_vmap_batched_and_shared_kv(impl):
         impls.check_sparse(impl, dataclasses.replace(c, kv=kv), out[i], what=f"shared kv {i}")
 
 
-@impls.each
+@impls.each_sparse
 def test_sparse_mla_vmap_traced_sm_scale(impl):
     _static_scales_only(impl)
     c = C.sparse_case(5, n_q=3, h=2, n_rec=20)
@@ -86,7 +86,7 @@ def _decode_batch(cs):
     return [_stack(x) for x in zip(*(c.args() for c in cs), strict=True)]
 
 
-@impls.each
+@impls.each_decode
 def test_mla_decode_vmap(impl):
     # same token count per case (n_nan=0, same seq_lens) so the caches stack
     cs = [C.decode_case(s, seq_lens=(3, 150), qlen=2, h=2, n_nan=0) for s in range(2)]
@@ -104,7 +104,7 @@ def test_mla_decode_vmap(impl):
         impls.check_decode(impl, c, out[i], lse[i], num_splits=2, what=f"vmap {i}")
 
 
-@impls.each
+@impls.each_decode
 def test_mla_decode_vmap_traced_k_scale_shared_kv(impl):
     _static_scales_only(impl)
     c = C.decode_case(3, seq_lens=(40, 9), qlen=1, h=2)
@@ -119,7 +119,7 @@ def test_mla_decode_vmap_traced_k_scale_shared_kv(impl):
         impls.check_decode(impl, case, out[i], lse[i], what=f"k_scale {k}")
 
 
-@impls.each
+@impls.each_of("mla_decode_partials", "merge_attn_states")
 def test_mla_decode_partials_and_merge_vmap(impl):
     cs = [C.decode_case(s, seq_lens=(130, 300), qlen=1, h=2, n_nan=0) for s in range(2)]
     f = functools.partial(
@@ -147,7 +147,7 @@ def test_mla_decode_partials_and_merge_vmap(impl):
 # ---------------------------------------------------------------------------------------------
 
 
-@impls.each
+@impls.each_ultraquant
 def test_ultraquant_decode_vmap(impl):
     c = C.uq_case(4, seq_lens=(10, 40), hk=1, g=8, bs=16)
     q, cache, tables, seq_lens = c.args()
@@ -233,7 +233,7 @@ def test_jit_donated_cache():
     assert np.all(np.asarray(out)[[0, 1, 3]] == 0)
 
 
-@impls.each
+@impls.each_ultraquant
 def test_donated_cache_store_then_decode(impl):
     """A jitted step that writes tokens with ultraquant_store into a donated cache and decodes
     equals the same step without donation (cache and output: the same program but for the

@@ -25,14 +25,14 @@ def check(impl, case, out, sm_scale=1 / 16, num_partitions=None, what="ultraquan
     impls.check_uq(impl, case, out, sm_scale, num_partitions, what)
 
 
-@impls.each
+@impls.each_ultraquant
 @pytest.mark.parametrize("g,hk", [(6, 1), (8, 2), (16, 1), (1, 2), (3, 2)])
 def test_groups(impl, g, hk):
     case = C.uq_case(g * 10 + hk, seq_lens=(1, 40, 100), hk=hk, g=g, bs=16)
     check(impl, case, run(case, impl))
 
 
-@impls.each
+@impls.each_ultraquant
 @pytest.mark.parametrize("bs", [16, 32, 64, 128, 256])
 def test_block_sizes(impl, bs):
     case = C.uq_case(bs, seq_lens=(1, bs - 1, bs, bs + 1, 2 * bs + 7), hk=1, g=8, bs=bs)
@@ -43,7 +43,7 @@ def test_block_sizes(impl, bs):
     "impl, num_partitions",
     [
         (i, p)
-        for i in impls.available()
+        for i in impls.available("ultraquant_decode")
         # None: the implementation's own choice; 3: uneven; 8: idle partitions (3-token request)
         for p in ((None, 1, 2, 3, 5, 8) if i == "xla" else (None, 1, 3, 8))
     ],
@@ -55,15 +55,16 @@ def test_num_partitions_same_answer(impl, num_partitions):
 
 
 def test_default_is_the_platform_choice():
-    """implementation=None (eager) runs what it picks on this machine (impls.default())."""
+    """implementation=None (eager) runs what it picks on this machine (impls.default)."""
     case = C.uq_case(8, seq_lens=(5, 33), hk=1, g=8, bs=16)
+    chosen = impls.default("ultraquant_decode")
     out = jsm.ultraquant_decode(*case.args())
-    check(impls.default(), case, out)
-    out2 = jsm.ultraquant_decode(*case.args(), implementation=impls.default())
+    check(chosen, case, out)
+    out2 = jsm.ultraquant_decode(*case.args(), implementation=chosen)
     np.testing.assert_array_equal(np.asarray(out2, np.float32), np.asarray(out, np.float32))
 
 
-@impls.each
+@impls.each_ultraquant
 def test_seq_lens_clamped_and_empty(impl):
     # request 0: seq_len 0; request 1: negative; request 2: past the table's capacity (clamped to
     # max_blocks * bs, every table entry is a written block); request 3: normal
@@ -80,27 +81,27 @@ def test_seq_lens_clamped_and_empty(impl):
     check(impl, case, run(case, impl))
 
 
-@impls.each
+@impls.each_ultraquant
 def test_masked_blocks(impl):
     # block-table entries out of range inside the sequences mask their tokens (whole blocks)
     case = C.uq_case(10, seq_lens=(40, 100, 16), hk=2, g=8, bs=16, p_bad_block=0.4)
     check(impl, case, run(case, impl))
 
 
-@impls.each
+@impls.each_ultraquant
 def test_sm_scale_and_peaky(impl):
     case = C.uq_case(11, seq_lens=(64, 200), hk=1, g=16, bs=32, q_scale=6.0)
     check(impl, case, run(case, impl, sm_scale=0.5), sm_scale=0.5)
     check(impl, case, run(case, impl, sm_scale=0.01), sm_scale=0.01)
 
 
-@impls.each
+@impls.each_ultraquant
 def test_padding_slot_bytes(impl):
     case = C.uq_case(12, seq_lens=(30, 70), hk=2, g=6, bs=16, slot_bytes=288)
     check(impl, case, run(case, impl))
 
 
-@impls.each
+@impls.each_ultraquant
 def test_store_skips_tokens(impl):
     # tokens with slot -1 / out of range carry huge K/V: if written anywhere, outputs change
     case = C.uq_case(13, seq_lens=(50,), hk=1, g=8, bs=16)
