@@ -5,9 +5,10 @@ jax starts, and the rest of the suite keeps one device).
 Each check runs a ``*_sharded`` op under ``jax.jit`` with NamedSharding inputs (its
 ``jax.shard_map`` keeps the default ``check_vma=True``), compares it with the op on one device
 and reads the compiled HLO's collectives: none for heads (TP) and rows / requests (DP); for
-the KV context (DCP) all-gathers of the partials only. The CPU runs every implementation
-but "flydsl"; the "flydsl" and the CUDA branches are lowered for their platform. The gradient
-checks take ``jax.grad`` under jit through each wrapper and compare it with one device's.
+the KV context (DCP) all-gathers of the partials only. The CPU runs "xla", the gfx950
+emulation and None; "flydsl" and the CUDA branches ("pallas", "mosaic") are lowered for their
+platform ("pallas" in interpret mode is refused inside shard_map). The gradient checks take
+``jax.grad`` under jit through each wrapper and compare it with one device's.
 """
 
 from __future__ import annotations
@@ -345,15 +346,17 @@ def check_gradients(impl: str) -> None:
 
 
 def check_lowering() -> None:
-    """ "flydsl" and None lowered for ROCm, "pallas" and None for CUDA: the custom calls (no
-    gathering of q or the cache: no collective at all in the TP layout)."""
+    """ "flydsl" and None lowered for ROCm, "pallas", "mosaic" and None (here the Pallas kernel:
+    sparse_mla.hopper_choice) for CUDA: the custom calls (no gathering of q or the cache: no
+    collective at all in the TP layout)."""
     m = mesh(2, 4)
     case = C.sparse_case(1, n_q=4, h=8, n_rec=40)
     specs = (P("dp", "tp", None), P(), P(), P())
     args = put(m, specs, case.q, case.kv, case.idx, case.indptr)
     for platform, impls, target in (
         ("rocm", ("flydsl", None), "jsm_sparse_mla"),
-        ("cuda", ("pallas", None), "__gpu$xla.gpu.triton"),
+        ("cuda", ("pallas", None), "__gpu$xla.gpu.triton"),  # None: few rows / heads per shard
+        ("cuda", ("mosaic",), "mosaic_gpu"),
     ):
         for impl in impls:
 
