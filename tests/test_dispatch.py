@@ -1,0 +1,164 @@
+"""Implementation names per op: "mosaic" (the Mosaic GPU kernel, sparse_mla only) is refused by
+name by the ops that lack it and fails off CUDA naming what it needs; tests/impls.py lists for
+each op only the implementations its table has and that run on this machine."""
+
+import importlib
+
+import jax
+import numpy as np
+import pytest
+
+import jax_sparse_mla as jsm
+from tests import cases as C
+from tests import impls
+
+# ---------------------------------------------------------------------------------------------
+# "mosaic" in the ops
+# ---------------------------------------------------------------------------------------------
+
+
+def _decode_case():
+    return C.decode_case(40, seq_lens=(3, 9), h=2, qlen=1, n_nan=0)
+
+
+def _without_mosaic():
+    """op -> a call of it with implementation="mosaic"."""
+    d = _decode_case()
+    uq = C.uq_case(41, seq_lens=(5, 20), hk=1, g=2)
+    o_parts = np.zeros((2, 2, 2, 512), np.float32)
+    lse_parts = np.zeros((2, 2, 2), np.float32)
+    return {
+        "mla_decode": lambda: jsm.mla_decode(*d.args(), implementation="mosaic"),
+        "mla_decode_partials": lambda: jsm.mla_decode_partials(
+            *d.args(), num_splits=2, implementation="mosaic"
+        ),
+        "merge_attn_states": lambda: jsm.merge_attn_states(
+            o_parts, lse_parts, implementation="mosaic"
+        ),
+        "ultraquant_decode": lambda: jsm.ultraquant_decode(*uq.args(), implementation="mosaic"),
+    }
+
+
+@pytest.mark.parametrize(
+    "op", ["mla_decode", "mla_decode_partials", "merge_attn_states", "ultraquant_decode"]
+)
+@pytest.mark.parametrize("jit", [False, True])
+def test_ops_without_mosaic_refuse_it_by_name(op, jit):
+    call = _without_mosaic()[op]
+    with pytest.raises(NotImplementedError, match=rf"{op}: .*has no 'mosaic' implementation"):
+        jax.jit(call)() if jit else call()
+
+
+@pytest.mark.skipif(impls.has_cuda(), reason="off CUDA only: on a CUDA GPU 'mosaic' runs")
+@pytest.mark.parametrize("jit", [False, True])
+def test_sparse_mla_mosaic_off_cuda_needs_an_nvidia_hopper_gpu(jit):
+    """No interpret mode: off CUDA the call fails when run (a host callback's error, which XLA
+    wraps in a JaxRuntimeError), saying that it needs an NVIDIA Hopper GPU."""
+    case = C.sparse_case(42, n_q=2, h=2, n_rec=8)
+
+    def call(*args):
+        return jsm.sparse_mla(*args, return_lse=True, implementation="mosaic")
+
+    with pytest.raises(
+        (NotImplementedError, jax.errors.JaxRuntimeError), match="NVIDIA Hopper"
+    ) as e:
+        jax.block_until_ready((jax.jit(call) if jit else call)(*case.args()))
+    assert "mosaic" in str(e.value)
+
+
+def test_mosaic_is_a_known_name():
+    """Unlike an unknown name (ValueError), "mosaic" is one of the implementation names."""
+    from jax_sparse_mla._dispatch import IMPLEMENTATIONS
+
+    assert "mosaic" in IMPLEMENTATIONS
+    d = _decode_case()
+    with pytest.raises(ValueError, match="implementation must be None or one of"):
+        jsm.mla_decode(*d.args(), implementation="mosaics")
+
+
+# ---------------------------------------------------------------------------------------------
+# tests/impls.py: which implementations the suites run, per op
+# ---------------------------------------------------------------------------------------------
+
+OPS = tuple(impls.OP_MODULES)
+WITHOUT_MOSAIC = ("mla_decode", "mla_decode_partials", "merge_attn_states", "ultraquant_decode")
+
+
+def _clear():
+    impls.available.cache_clear()
+    impls.default.cache_clear()
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """fake(cuda, hopper, gfx950): impls' view of this machine, its caches cleared (and again
+    afterwards, so the suites see the real machine)."""
+
+    def fake(cuda: bool, hopper: bool, gfx950: bool = False):
+        monkeypatch.setattr(impls, "has_cuda", lambda: cuda)
+        monkeypatch.setattr(impls, "cuda_is_hopper", lambda: hopper)
+        monkeypatch.setattr(impls, "has_gfx950", lambda: gfx950)
+        _clear()
+
+    yield fake
+    _clear()
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_available_per_op_is_the_ops_table(op):
+    table = importlib.import_module(impls.OP_MODULES[op])._IMPLEMENTATIONS
+    assert impls.implementations(op) == tuple(n for n in table if n is not None)
+    assert impls.available(op) == tuple(n for n in impls.available() if n in table)
+    assert impls.available(op)[0] == "xla"
+
+
+def test_mosaic_only_on_a_hopper_gpu():
+    """This machine: "mosaic" is listed exactly when a CUDA GPU of Hopper or newer is here."""
+    assert ("mosaic" in impls.available()) == (impls.has_cuda() and impls.cuda_is_hopper())
+    assert ("mosaic" in impls.available("sparse_mla")) == ("mosaic" in impls.available())
+    for op in WITHOUT_MOSAIC:
+        assert "mosaic" not in impls.available(op)
+
+
+def test_faked_hopper_lists_mosaic_for_sparse_mla_only(machine):
+    machine(cuda=True, hopper=True)
+    assert impls.available() == ("xla", "gfx950_emulation", "pallas", "mosaic")
+    assert impls.available("sparse_mla") == ("xla", "gfx950_emulation", "pallas", "mosaic")
+    for op in WITHOUT_MOSAIC:
+        assert impls.available(op) == ("xla", "gfx950_emulation", "pallas"), op
+    assert impls.common("sparse_mla", "mla_decode") == ("xla", "gfx950_emulation", "pallas")
+    assert impls.common("sparse_mla") == impls.available("sparse_mla")
+    # None's choice for sparse_mla follows q's shape (sparse_mla.hopper_choice)
+    assert impls.default("sparse_mla", (128, 16, 576)) == "mosaic"
+    assert impls.default("sparse_mla", (4096, 32, 576)) == "mosaic"
+    assert impls.default("sparse_mla", (127, 16, 576)) == "pallas"
+    assert impls.default("sparse_mla", (128, 64, 576)) == "pallas"
+    for op in WITHOUT_MOSAIC:
+        assert impls.default(op) == "pallas", op
+
+
+@pytest.mark.parametrize("cuda,hopper", [(False, True), (True, False), (False, False)])
+def test_no_mosaic_without_a_hopper_gpu(machine, cuda, hopper):
+    """No CUDA GPU (cuda_is_hopper is True without one: lowering for CUDA from another host),
+    or one older than Hopper: neither is "mosaic" listed nor does None run a kernel."""
+    machine(cuda=cuda, hopper=hopper)
+    for op in (None, *OPS):
+        assert impls.available(op) == ("xla", "gfx950_emulation", "pallas"), op
+    for op in OPS:
+        assert impls.default(op, (128, 16, 576)) == "xla", op
+
+
+def test_faked_gfx950_lists_flydsl(machine):
+    machine(cuda=False, hopper=True, gfx950=True)
+    for op in OPS:
+        assert impls.available(op) == ("xla", "gfx950_emulation", "pallas", "flydsl"), op
+        assert impls.default(op, (128, 16, 576)) == "flydsl", op
+
+
+def test_unknown_op_is_refused():
+    with pytest.raises(ValueError, match="unknown op"):
+        impls.available("sparse_mlaa")
+    with pytest.raises(ValueError, match="unknown op"):
+        impls.default("decode")
+    with pytest.raises(TypeError, match="q.shape"):  # sparse_mla's choice needs the shape
+        impls.default("sparse_mla")
