@@ -311,6 +311,12 @@ def test_interpret_mode_temporaries_far_below_the_cache(op):
 
 @pytest.mark.parametrize("shape", [(5, 16), (3, 2, 8), (7, 4)])
 def test_as_words_is_the_little_endian_view(shape):
+    """On the CPU (pinned: a pun lowered for CUDA is only valid as a Pallas call's operand)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        _check_as_words(shape)
+
+
+def _check_as_words(shape):
     x = np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
     want = x.view("<u4")
     for pun in (False, True):  # the pun applies to CUDA lowerings only: a conversion here

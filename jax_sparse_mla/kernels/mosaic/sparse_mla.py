@@ -107,16 +107,13 @@ selp.s32 k0, key, 0, ok;
 selp.s32 key, key, -1, ok;
 mul.wide.s32 src, k0, RECORD;
 add.u64 src, src, $0;
+selp.b64 src, src, $7, ok;
 mul.wide.u32 dst, lane, RECORD;
 add.u64 dst, dst, $2;
 @lead cp.async.bulk.shared::cta.global.mbarrier::complete_tx::bytes [dst], [src], RECORD, [$3];
 add.u64 sc, a, $4;
 @lead st.shared.s32 [sc], key;
 @lead ld.global.nc.v4.b32 {s0, s1, s2, s3}, [src+SCALES];
-selp.b32 s0, s0, 0, ok;
-selp.b32 s1, s1, 0, ok;
-selp.b32 s2, s2, 0, ok;
-selp.b32 s3, s3, 0, ok;
 add.u64 sc, a, $5;
 @lead st.shared.b32 [sc], s0;
 @lead st.shared.b32 [sc+CHUNK_STRIDE], s1;
@@ -180,31 +177,33 @@ def _init_barriers(bars_ref, count: int):
     init(bars_ref)
 
 
-def _gather_tile(records_ref, idx_ref, raw_ref, bar_ref, ids_ref, sc_ref, remaining, rows: int):
+def _gather_tile(
+    records_ref, idx_ref, raw_ref, bar_ref, ids_ref, sc_ref, zero_ref, remaining, rows: int
+):
     """Producer warpgroup, one tile of keys ``idx[:min(T, remaining)]``.
 
     Lane j < T: ``key = idx[j]`` (-1 past ``remaining`` or outside [0, rows): such a key's
-    record is not read; row 0 is copied in its place, so the tile's byte count is fixed); one
-    ``cp.async.bulk`` of record ``max(key, 0)`` -> ``raw[j]`` completing on ``bar``;
-    ``ids[j] = key``; ``sc[c, j]`` = the record's scale c (0 for -1). After a producer-wide
-    barrier lane 0 arms ``bar`` with the tile's bytes, a release: the ids and scales are
-    visible to whoever acquires the completed phase.
+    record is never read; the all-zero record ``zero`` is copied in its place, so its K, V and
+    scales are 0 and the tile's byte count is fixed); one ``cp.async.bulk`` of that record ->
+    ``raw[j]`` completing on ``bar``; ``ids[j] = key``; ``sc[c, j]`` = the record's scale c.
+    After a producer-wide barrier lane 0 arms ``bar`` with the tile's bytes, a release: the ids
+    and scales are visible to whoever acquires the completed phase.
     """
     plgpu, mgpu_utils, ir, llvm, _, _ = _mgpu()
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 6 + (plgpu.Layout.WG_SPLAT(shape=()),))
-    def gather(ctx, records, idx, raw, bar, ids, sc, remaining):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 7 + (plgpu.Layout.WG_SPLAT(shape=()),))
+    def gather(ctx, records, idx, raw, bar, ids, sc, zero, remaining):
         del ctx
         ptrs = [mgpu_utils.memref_ptr(r) for r in (records, idx, raw, bar, ids, sc)]
         llvm.inline_asm(
             ir.Type.parse("!llvm.void"),
-            [*ptrs, remaining.registers.item()],
+            [*ptrs, remaining.registers.item(), mgpu_utils.memref_ptr(zero)],
             _GATHER_PTX.replace("ROWS", str(rows)),
-            "l,l,l,l,l,l,r",
+            "l,l,l,l,l,l,r,l",
             has_side_effects=True,
         )
 
-    gather(records_ref, idx_ref, raw_ref, bar_ref, ids_ref, sc_ref, remaining)
+    gather(records_ref, idx_ref, raw_ref, bar_ref, ids_ref, sc_ref, zero_ref, remaining)
 
 
 def _wait(bar_ref, parity):
@@ -226,6 +225,7 @@ def _kernel(
     idx_ref,
     work_ref,
     scale_ref,
+    zero_ref,
     o_ref,
     lse_ref,
     q_smem,
@@ -246,9 +246,10 @@ def _kernel(
 ):
     """One CTA: heads [hb * m, hb * m + m) of row group g, split ``split`` of its keys.
 
-    Refs (GMEM): records [N, 656] uint8; q [G, HB, BLOCKS, m, DB] bf16; idx [nnz + T] int32
-    (T trailing entries that are never used); work [G, S, WORK] int32 (first position in idx,
-    key count, 0...); scale [64] f32 (sm_scale * log2 e); o [G, S, HB, 512, m] f32 (O^T,
+    Refs (GMEM): records [N, 656] uint8; q [G, HB, BLOCKS, m, DB] bf16; idx [nnz] int32 (a
+    tile's slice may extend past nnz: entries past its key count are never read); work [G, S,
+    WORK] int32 (first position in idx, key count, 0...); scale [64] f32 (sm_scale * log2 e);
+    zero [656] uint8 (the record copied for a masked key); o [G, S, HB, 512, m] f32 (O^T,
     permuted dims); lse [G, S, HB, 64] f32 (log2 units in the first m entries; -inf for a head
     without keys).
     """
@@ -301,6 +302,7 @@ def _kernel(
                 rec_bars.at[pl.ds(stage, 1)],
                 ids_smem.at[stage],
                 sc_smem.at[stage],
+                zero_ref,
                 length - t * T,
                 records_ref.shape[0],
             )
@@ -473,7 +475,7 @@ def sparse_mla_mosaic(q, kv, idx, indptr, sm_scale):
             lowering_semantics=plgpu.LoweringSemantics.Lane,
             unsafe_no_auto_barriers=True,  # the kernel places its own (see _kernel)
         ),
-    )(records, _permute_q(q, m, hbs), jnp.pad(idx, (0, T)), work, scale)
+    )(records, _permute_q(q, m, hbs), idx, work, scale, jnp.zeros((RECORD_BYTES,), jnp.uint8))
     o = o_t.swapaxes(-1, -2).reshape(n_q, splits, hbs * m, LATENT_DIM)[:, :, :h]
     lse = lse2[..., :m].reshape(n_q, splits, hbs * m)[:, :, :h] / LOG2E
     o, lse = merge_partials(_unpermute_out(o), lse)
@@ -491,7 +493,26 @@ def _needs_cuda(*_):
 def _off_cuda(q, kv, idx, indptr, sm_scale):
     """The non-CUDA branch: fails when run, naming the remedy (a CUDA lowering never holds it)."""
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), no_keys(*q.shape[:2]))
-    return jax.pure_callback(_needs_cuda, shapes, q)
+    return jax.pure_callback(_needs_cuda, shapes, q, vmap_method="broadcast_all")
 
 
-sparse_mla_mosaic_cuda = by_platform(default=_off_cuda, cuda=sparse_mla_mosaic)
+_by_platform = by_platform(default=_off_cuda, cuda=sparse_mla_mosaic)
+
+
+@jax.custom_batching.custom_vmap
+def sparse_mla_mosaic_cuda(q, kv, idx, indptr, sm_scale):
+    """``sparse_mla_mosaic`` where lowered for CUDA (failing when run elsewhere); under
+    ``jax.vmap`` one call per batch element (``lax.map``: the kernel has no batched grid)."""
+    return _by_platform(q, kv, idx, indptr, sm_scale)
+
+
+@sparse_mla_mosaic_cuda.def_vmap
+def _vmap(axis_size, in_batched, *args):
+    del axis_size
+    batched = [a for a, b in zip(args, in_batched, strict=True) if b]
+
+    def one(xs):
+        it = iter(xs)
+        return _by_platform(*(next(it) if b else a for a, b in zip(args, in_batched, strict=True)))
+
+    return jax.lax.map(one, batched), (True, True)
