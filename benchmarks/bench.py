@@ -74,6 +74,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_sparse_mla as jsm
+from jax_sparse_mla._platform import gpu_platforms
 
 REPO = Path(__file__).resolve().parents[1]
 OPS = ("sparse_mla", "mla_decode", "ultraquant_decode")
@@ -270,19 +271,7 @@ def table_implementations(op: str) -> list[str]:
 
 def machine_platforms() -> set[str]:
     """{"cpu"} plus "cuda", "rocm" and "gfx950" where jax has such devices."""
-    found = {"cpu"}
-    for name in ("cuda", "rocm"):
-        try:
-            jax.devices(name)
-        except RuntimeError:
-            continue
-        found.add(name)
-    if "rocm" in found:
-        from jax_sparse_mla._platform import gfx950_devices
-
-        if gfx950_devices():
-            found.add("gfx950")
-    return found
+    return {"cpu", *gpu_platforms()}
 
 
 def runs_natively(name: str, platforms: set[str]) -> bool:
@@ -398,14 +387,7 @@ def profile_device_times(launch: Callable, sync: Callable, module_name: str, cal
     ({"method", "plane", "times"} or None, why none); see ``times_from_profile``."""
     with tempfile.TemporaryDirectory(prefix="bench_profile_") as tmp:
         with jax.profiler.trace(tmp):
-            out = None
-            for _ in range(calls):
-                if flush is not None:
-                    flush.run()
-                out = launch()
-            sync(out)
-            if flush is not None:
-                flush.sync()
+            _batch(launch, sync, calls, flush)
         files = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
         if not files:
             return None, "jax.profiler wrote no .xplane.pb"
@@ -684,16 +666,22 @@ def markdown_row(row: dict) -> str:
     return "| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |"
 
 
-def make_row(case: Case, impl: str, source: str, times, calls, copy_bps: float, **extra) -> dict:
-    stats = spread(times)
-    median = stats["median_s"]
-    bps = case.nbytes / median if median > 0 else float("nan")
+def _row_key(case: Case, impl: str, source: str) -> dict:
     return {
         "op": case.op,
         "case": case.name,
         "params": case.params,
         "implementation": impl,
         "source": source,
+    }
+
+
+def make_row(case: Case, impl: str, source: str, times, calls, copy_bps: float, **extra) -> dict:
+    stats = spread(times)
+    median = stats["median_s"]
+    bps = case.nbytes / median if median > 0 else float("nan")
+    return {
+        **_row_key(case, impl, source),
         "calls_per_sample": calls,
         "samples": len(times),
         "samples_s": times,
@@ -714,14 +702,7 @@ def make_row(case: Case, impl: str, source: str, times, calls, copy_bps: float, 
 
 
 def error_row(case: Case, impl: str, source: str, error: BaseException) -> dict:
-    return {
-        "op": case.op,
-        "case": case.name,
-        "params": case.params,
-        "implementation": impl,
-        "source": source,
-        "error": f"{type(error).__name__}: {error}".strip(),
-    }
+    return {**_row_key(case, impl, source), "error": f"{type(error).__name__}: {error}".strip()}
 
 
 def _module_name(op: str, impl: str) -> str:

@@ -89,6 +89,22 @@ def gfx950_devices() -> list:
     return [d for d in rocm_devices() if is_gfx950(d)]
 
 
+@functools.cache
+def gpu_platforms() -> frozenset[str]:
+    """The GPU platforms jax has devices of in this process: "cuda", "rocm", and "gfx950" where
+    a ROCm device is an MI355."""
+    found = set()
+    for name in ("cuda", "rocm"):
+        try:
+            jax.devices(name)
+        except RuntimeError:
+            continue
+        found.add(name)
+    if "rocm" in found and gfx950_devices():
+        found.add("gfx950")
+    return frozenset(found)
+
+
 def devices_seen() -> str:
     """What jax sees here, for messages: e.g. "cpu (cpu)" or "gpu (NVIDIA H200), ..."."""
     return ", ".join(f"{d.platform} ({d.device_kind})" for d in jax.devices())

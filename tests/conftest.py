@@ -6,27 +6,12 @@ jax sees and what to install.
 
 from __future__ import annotations
 
-import functools
 import re
 
 import jax
 import pytest
 
-from jax_sparse_mla._platform import devices_seen, gfx950_devices
-
-
-@functools.cache
-def _platforms() -> frozenset:
-    found = set()
-    for name in ("cuda", "rocm"):
-        try:
-            jax.devices(name)
-        except RuntimeError:
-            continue
-        found.add(name)
-        if name == "rocm" and gfx950_devices():
-            found.add("gfx950")
-    return frozenset(found)
+from jax_sparse_mla._platform import devices_seen, gpu_platforms
 
 
 def _gfx950_requested(config) -> bool:
@@ -44,7 +29,7 @@ def _no_gfx950_message() -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    if _gfx950_requested(config) and "gfx950" not in _platforms():
+    if _gfx950_requested(config) and "gfx950" not in gpu_platforms():
         pytest.exit(_no_gfx950_message(), returncode=pytest.ExitCode.TESTS_FAILED)
     skips = {
         "gpu": ("cuda", "no CUDA GPU: jax.devices() has no gpu"),
@@ -52,5 +37,5 @@ def pytest_collection_modifyitems(config, items):
     }
     for item in items:
         for marker, (needs, reason) in skips.items():
-            if marker in item.keywords and needs not in _platforms():
+            if marker in item.keywords and needs not in gpu_platforms():
                 item.add_marker(pytest.mark.skip(reason=reason))
