@@ -56,6 +56,7 @@ import dataclasses
 import datetime
 import functools
 import glob
+import hashlib
 import importlib
 import importlib.metadata
 import math
@@ -578,12 +579,26 @@ def gpu_info() -> dict:
     return {"nvidia_smi": gpus, "error": ""}
 
 
+def source_sha256() -> str:
+    """sha256 of the package's Python sources (paths and bytes, sorted): identifies the code
+    that ran where the checkout's git metadata is missing or stale (a copied work tree)."""
+    digest = hashlib.sha256()
+    package = Path(jsm.__file__).parent
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def git_info() -> dict:
+    """HEAD, whether the work tree differs from it, and ``source_sha256`` (compare it with
+    the same function run on a checkout to find the commit)."""
+    sources = source_sha256()
     head, err = _run(["git", "rev-parse", "HEAD"], cwd=REPO)
     if head is None:
-        return {"head": None, "dirty": None, "error": err}
+        return {"head": None, "dirty": None, "source_sha256": sources, "error": err}
     status, _ = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO)
-    return {"head": head, "dirty": bool(status) if status is not None else None, "error": ""}
+    dirty = bool(status) if status is not None else None
+    return {"head": head, "dirty": dirty, "source_sha256": sources, "error": ""}
 
 
 def plugin_versions() -> dict:

@@ -54,7 +54,14 @@ def test_quick_run_json(tmp_path):
     assert isinstance(env_["jax_plugins"], dict)
     assert env_["backend"]["name"] == "cpu"
     assert "nvidia_smi" in env_["gpu"] and "error" in env_["gpu"]
-    assert set(env_["git"]) >= {"head", "dirty"}
+    assert set(env_["git"]) >= {"head", "dirty", "source_sha256"}
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import bench  # noqa: PLC0415
+
+        assert env_["git"]["source_sha256"] == bench.source_sha256()  # this checkout's sources
+    finally:
+        sys.path.remove(str(BENCH.parent))
     if shutil.which("git") and (REPO / ".git").exists():
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True
