@@ -476,9 +476,12 @@ def sparse_mla_mosaic(q, kv, idx, indptr, sm_scale):
             unsafe_no_auto_barriers=True,  # the kernel places its own (see _kernel)
         ),
     )(records, _permute_q(q, m, hbs), idx, work, scale, jnp.zeros((RECORD_BYTES,), jnp.uint8))
-    o = o_t.swapaxes(-1, -2).reshape(n_q, splits, hbs * m, LATENT_DIM)[:, :, :h]
+    o = _unpermute_out(o_t.swapaxes(-1, -2).reshape(n_q, splits, hbs * m, LATENT_DIM)[:, :, :h])
     lse = lse2[..., :m].reshape(n_q, splits, hbs * m)[:, :, :h] / LOG2E
-    o, lse = merge_partials(_unpermute_out(o), lse)
+    if splits > 1:  # one split is already normalized (0 and -inf for a row without keys)
+        o, lse = merge_partials(o, lse)
+    else:
+        o, lse = o[:, 0], lse[:, 0]
     return o.astype(jnp.bfloat16), lse
 
 
