@@ -56,7 +56,8 @@ def _hopper_kernel(q, kv, idx, indptr, sm_scale, *, return_lse: bool):
 
 # implementation name -> fn(q, kv, idx, indptr, sm_scale, *, return_lse) -> (out bf16, lse f32 or
 # None); None is the choice of implementation=None: the FlyDSL kernel on gfx950 (ROCm), the
-# Pallas kernel on Hopper GPUs, "xla" everywhere else. Every gradient is the "xla" path's.
+# Mosaic GPU or Pallas kernel on Hopper GPUs (hopper_choice), "xla" everywhere else. Every
+# gradient is the "xla" path's.
 _IMPLEMENTATIONS = {
     "xla": _XLA,
     **{

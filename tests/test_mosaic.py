@@ -111,3 +111,23 @@ def test_more_than_2_31_records_is_refused_by_name():
     fn = jax.jit(lambda *a: K.sparse_mla_mosaic(*a, 0.1))
     with pytest.raises(NotImplementedError, match="int32 record indices"):
         fn.trace(*args)
+
+
+@pytest.mark.parametrize("implementation", ["mosaic", None])
+def test_vmap_runs_the_kernel_once_per_batch_element(implementation):
+    """Under vmap, "mosaic" and None's Mosaic choice on Hopper (<= 32 heads, >= 128 rows) both
+    lower for CUDA to one Mosaic GPU call inside a loop over the batch (the kernel's own vmap
+    rule; it has no batched grid)."""
+    args = (
+        jax.ShapeDtypeStruct((2, 128, 16, 576), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1000, 656), jnp.uint8),
+        jax.ShapeDtypeStruct((2, 128 * 64), jnp.int32),
+        jax.ShapeDtypeStruct((2, 129), jnp.int32),
+    )
+    fn = jax.vmap(
+        lambda q, kv, i, p: jsm.sparse_mla(q, kv, i, p, implementation=implementation),
+        (0, None, 0, 0),
+    )
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    assert "stablehlo.while" in text

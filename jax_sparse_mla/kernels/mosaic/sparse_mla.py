@@ -437,8 +437,12 @@ def choose_splits(ctas: int, avg_tiles: float) -> int:
     return int(max(1, min(want, avg_tiles // MIN_SPLIT_TILES)))
 
 
+@jax.custom_batching.custom_vmap
 def sparse_mla_mosaic(q, kv, idx, indptr, sm_scale):
     """Sparse MLA (the ``sparse_mla_xla`` contract) with the Mosaic GPU kernel (CUDA only).
+
+    Under ``jax.vmap``: one call per batch element (``lax.map``; the kernel has no batched
+    grid).
 
     Args:
       q: [n_q, H, 576] bf16; kv: [..., 656] uint8 records; idx [nnz] / indptr [n_q + 1] int32.
@@ -446,6 +450,24 @@ def sparse_mla_mosaic(q, kv, idx, indptr, sm_scale):
     Returns:
       out [n_q, H, 512] bf16 and lse [n_q, H] float32.
     """
+    return _sparse_mla_mosaic(q, kv, idx, indptr, sm_scale)
+
+
+@sparse_mla_mosaic.def_vmap
+def _vmap(axis_size, in_batched, *args):
+    del axis_size
+    batched = [a for a, b in zip(args, in_batched, strict=True) if b]
+
+    def one(xs):
+        it = iter(xs)
+        return _sparse_mla_mosaic(
+            *(next(it) if b else a for a, b in zip(args, in_batched, strict=True))
+        )
+
+    return jax.lax.map(one, batched), (True, True)
+
+
+def _sparse_mla_mosaic(q, kv, idx, indptr, sm_scale):
     plgpu = _mgpu()[0]
     n_q, h, _ = q.shape
     records = kv.reshape(-1, RECORD_BYTES)
@@ -499,23 +521,5 @@ def _off_cuda(q, kv, idx, indptr, sm_scale):
     return jax.pure_callback(_needs_cuda, shapes, q, vmap_method="broadcast_all")
 
 
-_by_platform = by_platform(default=_off_cuda, cuda=sparse_mla_mosaic)
-
-
-@jax.custom_batching.custom_vmap
-def sparse_mla_mosaic_cuda(q, kv, idx, indptr, sm_scale):
-    """``sparse_mla_mosaic`` where lowered for CUDA (failing when run elsewhere); under
-    ``jax.vmap`` one call per batch element (``lax.map``: the kernel has no batched grid)."""
-    return _by_platform(q, kv, idx, indptr, sm_scale)
-
-
-@sparse_mla_mosaic_cuda.def_vmap
-def _vmap(axis_size, in_batched, *args):
-    del axis_size
-    batched = [a for a, b in zip(args, in_batched, strict=True) if b]
-
-    def one(xs):
-        it = iter(xs)
-        return _by_platform(*(next(it) if b else a for a, b in zip(args, in_batched, strict=True)))
-
-    return jax.lax.map(one, batched), (True, True)
+sparse_mla_mosaic_cuda = by_platform(default=_off_cuda, cuda=sparse_mla_mosaic)
+"""``sparse_mla_mosaic`` where lowered for CUDA; elsewhere it fails when run, naming the remedy."""
