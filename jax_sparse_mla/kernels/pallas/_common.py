@@ -205,6 +205,13 @@ def word_bytes(words):
     return _interleave(halves & jnp.uint32(0xFF), halves >> jnp.uint32(8)).astype(jnp.uint8)
 
 
+def gather_bytes(ref, rows, start: int, count: int, valid):
+    """Bytes ``[start, start + count)`` of rows ``rows`` of a byte cache: [len(rows), count]
+    uint8, 0 where not valid (never read there); read as words (``gather_words``), ``start``
+    and ``count`` multiples of 4."""
+    return word_bytes(gather_words(ref, rows, start, count // 4, valid))
+
+
 def word_column(words, c: int):
     """Column ``c`` of ``words`` [R, n]: [R] (a masked sum; Triton has no column slice)."""
     col = jax.lax.broadcasted_iota(jnp.int32, (1, words.shape[1]), 1)

@@ -27,12 +27,12 @@ from jax_sparse_mla.kernels.pallas._common import (
     dot_nt,
     e4m3_to_bf16,
     gather_1d,
+    gather_bytes,
     gather_words,
     pow2_at_least,
     softmax_finish,
     softmax_init,
     softmax_update,
-    word_bytes,
     word_column,
     word_halves,
 )
@@ -49,8 +49,7 @@ NUM_STAGES = 2
 def _latent_chunks(kv_ref, ids, valid):
     """The 512 latent e4m3fn codes of each record / row: 4 chunks [K, 128] bf16 (exact)."""
     return [
-        e4m3_to_bf16(word_bytes(gather_words(kv_ref, ids, CHUNK * c, CHUNK // 4, valid)))
-        for c in range(NUM_CHUNKS)
+        e4m3_to_bf16(gather_bytes(kv_ref, ids, CHUNK * c, CHUNK, valid)) for c in range(NUM_CHUNKS)
     ]
 
 
@@ -68,7 +67,7 @@ def _load_ds_mla(kv_ref, ids, valid):
 
 def _load_fp8(kv_ref, ids, valid):
     """fp8 latent cache rows -> (4 latent chunks [K, 128] bf16 codes, None, rope codes bf16)."""
-    rope = e4m3_to_bf16(word_bytes(gather_words(kv_ref, ids, LATENT_DIM, ROPE // 4, valid)))
+    rope = e4m3_to_bf16(gather_bytes(kv_ref, ids, LATENT_DIM, ROPE, valid))
     return _latent_chunks(kv_ref, ids, valid), None, rope
 
 

@@ -37,13 +37,12 @@ from jax_sparse_mla.kernels.pallas._common import (
     dot_nt,
     e4m3_to_bf16,
     gather_1d,
-    gather_words,
+    gather_bytes,
     on_cuda_or_interpret,
     pow2_at_least,
     softmax_finish,
     softmax_init,
     softmax_update,
-    word_bytes,
 )
 from jax_sparse_mla.kernels.pallas.merge import merge_partials_pallas
 
@@ -68,11 +67,6 @@ def _fp4_halves(codes, scale_bytes):
         return e4m3_to_bf16(e4m3) * per_col
 
     return to_bf16(codes & 0xF), to_bf16(codes >> 4)
-
-
-def _slot_bytes(cache_ref, slot, start: int, count: int, valid):
-    """Bytes [start, start + count) of each slot: [K, count] uint8, 0 where not valid."""
-    return word_bytes(gather_words(cache_ref, slot, start, count // 4, valid))
 
 
 def _kernel(
@@ -107,12 +101,12 @@ def _kernel(
         valid = in_seq & (blk >= 0) & (blk < num_blocks)
         slot = (blk * block_size + j % block_size) * kv_heads + kh
         k_even, k_odd = _fp4_halves(
-            _slot_bytes(cache_ref, slot, UQ_K_CODES, HALF, valid),
-            _slot_bytes(cache_ref, slot, UQ_K_SCALES, UQ_GROUPS, valid),
+            gather_bytes(cache_ref, slot, UQ_K_CODES, HALF, valid),
+            gather_bytes(cache_ref, slot, UQ_K_SCALES, UQ_GROUPS, valid),
         )
         v_even, v_odd = _fp4_halves(
-            _slot_bytes(cache_ref, slot, UQ_V_CODES, HALF, valid),
-            _slot_bytes(cache_ref, slot, UQ_V_SCALES, UQ_GROUPS, valid),
+            gather_bytes(cache_ref, slot, UQ_V_CODES, HALF, valid),
+            gather_bytes(cache_ref, slot, UQ_V_SCALES, UQ_GROUPS, valid),
         )
         s = dot_nt(q[0][0], k_even) + dot_nt(q[0][1], k_odd)
         for p in range(1, Q_PIECES):
