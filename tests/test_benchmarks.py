@@ -8,20 +8,18 @@ import dataclasses
 import functools
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
+from tests.cpu_subprocess import REPO, run_on_cpu
 
-REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks" / "bench.py"
 
 
@@ -37,11 +35,8 @@ def _load_bench():
 
 def test_quick_run_json(tmp_path):
     out = tmp_path / "bench.json"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, str(BENCH), "--quick", "--implementations", "xla", "--profiler"]
-    cmd += ["--json", str(out)]
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    done = run_on_cpu([*cmd, "--json", str(out)])
     report = json.loads(out.read_text())
 
     assert report["schema"] == 1
@@ -55,13 +50,7 @@ def test_quick_run_json(tmp_path):
     assert env_["backend"]["name"] == "cpu"
     assert "nvidia_smi" in env_["gpu"] and "error" in env_["gpu"]
     assert set(env_["git"]) >= {"head", "dirty", "source_sha256"}
-    sys.path.insert(0, str(BENCH.parent))
-    try:
-        import bench  # noqa: PLC0415
-
-        assert env_["git"]["source_sha256"] == bench.source_sha256()  # this checkout's sources
-    finally:
-        sys.path.remove(str(BENCH.parent))
+    assert env_["git"]["source_sha256"] == _load_bench().source_sha256()  # the sources that ran
     if shutil.which("git") and (REPO / ".git").exists():
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True

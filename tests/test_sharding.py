@@ -5,14 +5,11 @@ through the sharded wrappers equal to one device's."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.cpu_subprocess import run_on_cpu
 
 
 @pytest.mark.parametrize(
@@ -28,14 +25,5 @@ ROOT = Path(__file__).resolve().parents[1]
     ],
 )
 def test_sharded(check):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.sharding_checks", check],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    run = run_on_cpu([sys.executable, "-m", "tests.sharding_checks", check], timeout=600)
     assert f"{check} ok" in run.stdout
