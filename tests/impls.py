@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
-from jax_sparse_mla._platform import cuda_is_hopper, gfx950_devices
+from jax_sparse_mla._platform import cuda_is_hopper, gpu_platforms
 from jax_sparse_mla.ffi.calls import default_num_partitions, default_num_splits
 from tests import cases as C
 from tests import oracle as O
@@ -57,17 +57,12 @@ OP_MODULES = {
 }
 
 
-@functools.cache
 def has_gfx950() -> bool:
-    return bool(gfx950_devices())
+    return "gfx950" in gpu_platforms()
 
 
-@functools.cache
 def has_cuda() -> bool:
-    try:
-        return bool(jax.devices("cuda"))
-    except RuntimeError:
-        return False
+    return "cuda" in gpu_platforms()
 
 
 def implementations(op: str) -> tuple[str, ...]:
