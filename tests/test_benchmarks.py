@@ -171,8 +171,8 @@ def test_flashmla_adapter_layout():
         assert ("padded 16 -> 64" in note) == (h == 16)
         want_out = np.asarray(want_out, np.float32)
         scale = np.abs(want_out).max()
-        np.testing.assert_allclose(out.float().numpy(), want_out, atol=2**-7 * scale)
-        np.testing.assert_allclose(lse.numpy(), np.asarray(want_lse), rtol=1e-4, atol=1e-3)
+        np.testing.assert_allclose(out.float().cpu().numpy(), want_out, atol=2**-7 * scale)
+        np.testing.assert_allclose(lse.cpu().numpy(), np.asarray(want_lse), rtol=1e-4, atol=1e-3)
 
     # The row the benchmark writes for FlashMLA, after the jax implementations of the case.
     args = bench.parse_args(["--quick", "--implementations", "xla"])
