@@ -41,18 +41,29 @@ def by_platform(default: Callable, **per_platform: Callable) -> Callable:
 # ---------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def cuda_is_hopper() -> bool:
-    """True unless a visible CUDA device is older than Hopper (compute capability 9.0).
-
-    With no CUDA device visible (lowering for CUDA from another host) the target is assumed
-    to be Hopper.
-    """
+def _cuda_capabilities() -> list[float] | None:
+    """The compute capabilities of the visible CUDA devices; None with none visible (lowering
+    for CUDA from another host: the target is then assumed to be a Hopper GPU, 9.0)."""
     try:
         devices = jax.devices("cuda")
     except RuntimeError:
-        return True
-    return all(float(getattr(d, "compute_capability", "9.0")) >= 9.0 for d in devices)
+        return None
+    return [float(getattr(d, "compute_capability", "9.0")) for d in devices]
+
+
+@functools.cache
+def cuda_is_hopper() -> bool:
+    """True unless a visible CUDA device is older than Hopper (compute capability 9.0)."""
+    caps = _cuda_capabilities()
+    return caps is None or all(c >= 9.0 for c in caps)
+
+
+@functools.cache
+def cuda_is_sm90() -> bool:
+    """True unless a visible CUDA device is not a Hopper GPU (9.x): the Mosaic GPU kernel uses
+    sm_90a's wgmma, which later GPUs do not have."""
+    caps = _cuda_capabilities()
+    return caps is None or all(9.0 <= c < 10.0 for c in caps)
 
 
 def hopper_or(kernel_fn: Callable, fallback: Callable) -> Callable:

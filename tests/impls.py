@@ -4,8 +4,8 @@ Every op suite (test_sparse_mla, test_mla_decode, test_ultraquant, test_transfor
 test_properties, test_memory, test_causal, test_gradients, test_indptr, test_inputs) is
 parametrized per op over ``available(op)``: the names of that op's implementation table that
 run here. Those are the exact "xla" path, the gfx950 emulation, "pallas" (compiled on a CUDA GPU,
-Pallas interpret mode elsewhere), on a Hopper (or newer) NVIDIA GPU only "mosaic" (the Mosaic
-GPU kernel: no interpret mode; sparse_mla only so far) and, on an MI355 (gfx950) only, the
+Pallas interpret mode elsewhere), on a Hopper NVIDIA GPU (sm_90) only "mosaic" (the Mosaic GPU
+kernel: no interpret mode; sparse_mla only so far) and, on an MI355 (gfx950) only, the
 "flydsl" kernels. A test of one op is parametrized with that op's decorator (``each_sparse``,
 ``each_decode``, ``each_partials``, ``each_merge``, ``each_ultraquant``), a test that runs
 several ops with ``each_of(*ops)`` (the names every one of them has). Each implementation is
@@ -19,9 +19,8 @@ checked against the float64 oracle (tests/oracle.py) with its own derived bound:
   ``expected_partials`` / ``merged_bound`` / ``merge_bound`` for mla_decode and the merge,
   ``oracle_on`` the kernel's query for ultraquant_decode).
 
-``default(op)`` is what ``implementation=None`` picks here for ``op`` (for sparse_mla also by
-q's shape: on a Hopper GPU "mosaic" or "pallas"); tests about None check its output with that
-implementation's tolerance.
+``default(op)`` is what ``implementation=None`` picks here for ``op``; tests about None check its
+output with that implementation's tolerance.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
-from jax_sparse_mla._platform import cuda_is_hopper, gpu_platforms
+from jax_sparse_mla._platform import cuda_is_hopper, cuda_is_sm90, gpu_platforms
 from jax_sparse_mla.ffi.calls import default_num_partitions, default_num_splits
 from tests import cases as C
 from tests import oracle as O
@@ -74,8 +73,8 @@ def implementations(op: str) -> tuple[str, ...]:
 
 
 def has_mosaic() -> bool:
-    """True where "mosaic" runs: a CUDA GPU of Hopper or newer (it has no interpret mode)."""
-    return has_cuda() and cuda_is_hopper()
+    """True where "mosaic" runs: a Hopper CUDA GPU (sm_90; it has no interpret mode)."""
+    return has_cuda() and cuda_is_sm90()
 
 
 @functools.cache
@@ -98,20 +97,17 @@ def common(*ops: str) -> tuple[str, ...]:
 
 
 @functools.cache
-def default(op: str, shape: tuple[int, ...] | None = None) -> str:
-    """What ``implementation=None`` runs here for ``op``: "flydsl" on an MI355; on a Hopper (or
-    newer) NVIDIA GPU "pallas", except for sparse_mla, whose choice there depends on q's
-    ``shape`` (``sparse_mla.hopper_choice``: "mosaic" for up to 32 heads and at least 128 rows,
-    else "pallas"); "xla" elsewhere. sparse_mla needs ``shape`` (q.shape) on every machine."""
+def default(op: str) -> str:
+    """What ``implementation=None`` runs here for ``op``: "flydsl" on an MI355; on a Hopper
+    NVIDIA GPU "mosaic" for sparse_mla (``sparse_mla.hopper_choice``), "pallas" for the other
+    ops; "pallas" on later NVIDIA GPUs; "xla" elsewhere."""
     implementations(op)  # a known op
-    if op == "sparse_mla" and shape is None:
-        raise TypeError("default('sparse_mla', shape): the Hopper choice depends on q.shape")
     if has_gfx950():
         return "flydsl"
-    if not has_mosaic():
+    if not (has_cuda() and cuda_is_hopper()):
         return "xla"
     if op == "sparse_mla":
-        return importlib.import_module(OP_MODULES[op]).hopper_choice(*shape[:2])
+        return importlib.import_module(OP_MODULES[op]).hopper_choice()
     return "pallas"
 
 

@@ -346,17 +346,17 @@ def check_gradients(impl: str) -> None:
 
 
 def check_lowering() -> None:
-    """ "flydsl" and None lowered for ROCm, "pallas", "mosaic" and None (here the Pallas kernel:
-    sparse_mla.hopper_choice) for CUDA: the custom calls (no gathering of q or the cache: no
-    collective at all in the TP layout)."""
+    """ "flydsl" and None lowered for ROCm, "pallas", "mosaic" and None (the Mosaic kernel on a
+    Hopper target: sparse_mla.hopper_choice) for CUDA: the custom calls (no gathering of q or
+    the cache: no collective at all in the TP layout)."""
     m = mesh(2, 4)
     case = C.sparse_case(1, n_q=4, h=8, n_rec=40)
     specs = (P("dp", "tp", None), P(), P(), P())
     args = put(m, specs, case.q, case.kv, case.idx, case.indptr)
     for platform, impls, target in (
         ("rocm", ("flydsl", None), "jsm_sparse_mla"),
-        ("cuda", ("pallas", None), "__gpu$xla.gpu.triton"),  # None: few rows / heads per shard
-        ("cuda", ("mosaic",), "mosaic_gpu"),
+        ("cuda", ("pallas",), "__gpu$xla.gpu.triton"),
+        ("cuda", ("mosaic", None), "mosaic_gpu"),
     ):
         for impl in impls:
 

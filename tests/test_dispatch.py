@@ -12,6 +12,8 @@ import jax_sparse_mla as jsm
 from tests import cases as C
 from tests import impls
 
+sparse_mla_module = importlib.import_module("jax_sparse_mla.sparse_mla")  # the op's module
+
 # ---------------------------------------------------------------------------------------------
 # "mosaic" in the ops
 # ---------------------------------------------------------------------------------------------
@@ -91,12 +93,17 @@ def _clear():
 
 @pytest.fixture
 def machine(monkeypatch):
-    """fake(cuda, hopper, gfx950): impls' view of this machine, its caches cleared (and again
-    afterwards, so the suites see the real machine)."""
+    """fake(cuda, hopper, gfx950, sm90): impls' view of this machine (and sparse_mla's own test
+    for sm_90, which None's Hopper choice reads), caches cleared (and again afterwards, so the
+    suites see the real machine). ``sm90`` (a Hopper, not a later GPU) follows ``hopper``
+    unless given."""
 
-    def fake(cuda: bool, hopper: bool, gfx950: bool = False):
+    def fake(cuda: bool, hopper: bool, gfx950: bool = False, sm90: bool | None = None):
+        sm90 = hopper if sm90 is None else sm90
         monkeypatch.setattr(impls, "has_cuda", lambda: cuda)
         monkeypatch.setattr(impls, "cuda_is_hopper", lambda: hopper)
+        monkeypatch.setattr(impls, "cuda_is_sm90", lambda: sm90)
+        monkeypatch.setattr(sparse_mla_module, "cuda_is_sm90", lambda: sm90)
         monkeypatch.setattr(impls, "has_gfx950", lambda: gfx950)
         _clear()
 
@@ -113,8 +120,8 @@ def test_available_per_op_is_the_ops_table(op):
 
 
 def test_mosaic_only_on_a_hopper_gpu():
-    """This machine: "mosaic" is listed exactly when a CUDA GPU of Hopper or newer is here."""
-    assert ("mosaic" in impls.available()) == (impls.has_cuda() and impls.cuda_is_hopper())
+    """This machine: "mosaic" is listed exactly when a Hopper CUDA GPU (sm_90) is here."""
+    assert ("mosaic" in impls.available()) == (impls.has_cuda() and impls.cuda_is_sm90())
     assert ("mosaic" in impls.available("sparse_mla")) == ("mosaic" in impls.available())
     for op in WITHOUT_MOSAIC:
         assert "mosaic" not in impls.available(op)
@@ -128,12 +135,17 @@ def test_faked_hopper_lists_mosaic_for_sparse_mla_only(machine):
         assert impls.available(op) == ("xla", "gfx950_emulation", "pallas"), op
     assert impls.common("sparse_mla", "mla_decode") == ("xla", "gfx950_emulation", "pallas")
     assert impls.common("sparse_mla") == impls.available("sparse_mla")
-    # None's choice for sparse_mla follows q's shape (sparse_mla.hopper_choice)
-    assert impls.default("sparse_mla", (128, 16, 576)) == "mosaic"
-    assert impls.default("sparse_mla", (4096, 32, 576)) == "mosaic"
-    assert impls.default("sparse_mla", (127, 16, 576)) == "pallas"
-    assert impls.default("sparse_mla", (128, 64, 576)) == "pallas"
+    assert impls.default("sparse_mla") == "mosaic"  # sparse_mla.hopper_choice
     for op in WITHOUT_MOSAIC:
+        assert impls.default(op) == "pallas", op
+
+
+def test_faked_later_gpu_runs_pallas_not_mosaic(machine):
+    """A GPU past Hopper (no sm_90a wgmma): "mosaic" is not listed and None runs "pallas"."""
+    machine(cuda=True, hopper=True, sm90=False)
+    for op in (None, *OPS):
+        assert impls.available(op) == ("xla", "gfx950_emulation", "pallas"), op
+    for op in OPS:
         assert impls.default(op) == "pallas", op
 
 
@@ -145,14 +157,14 @@ def test_no_mosaic_without_a_hopper_gpu(machine, cuda, hopper):
     for op in (None, *OPS):
         assert impls.available(op) == ("xla", "gfx950_emulation", "pallas"), op
     for op in OPS:
-        assert impls.default(op, (128, 16, 576)) == "xla", op
+        assert impls.default(op) == "xla", op
 
 
 def test_faked_gfx950_lists_flydsl(machine):
     machine(cuda=False, hopper=True, gfx950=True)
     for op in OPS:
         assert impls.available(op) == ("xla", "gfx950_emulation", "pallas", "flydsl"), op
-        assert impls.default(op, (128, 16, 576)) == "flydsl", op
+        assert impls.default(op) == "flydsl", op
 
 
 def test_unknown_op_is_refused():
@@ -160,5 +172,3 @@ def test_unknown_op_is_refused():
         impls.available("sparse_mlaa")
     with pytest.raises(ValueError, match="unknown op"):
         impls.default("decode")
-    with pytest.raises(TypeError, match="q.shape"):  # sparse_mla's choice needs the shape
-        impls.default("sparse_mla")

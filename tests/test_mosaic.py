@@ -8,6 +8,7 @@ mode.
 
 from __future__ import annotations
 
+import importlib
 import re
 
 import jax
@@ -17,6 +18,8 @@ import pytest
 
 import jax_sparse_mla as jsm
 from jax_sparse_mla.kernels.mosaic import sparse_mla as K
+
+sparse_mla_module = importlib.import_module("jax_sparse_mla.sparse_mla")  # the op's module
 
 
 def test_permute_q_blocks_hold_even_and_odd_dims():
@@ -66,25 +69,37 @@ def test_work_covers_each_row_once_in_tile_multiples(splits):
 
 
 def test_stages_fit_shared_memory():
-    for m in (16, 32):
-        assert 1 <= K.stages_for(m) <= K.MAX_STAGES
+    """Two record stages fit beside the rest: one alone would leave the producer no room to
+    run ahead of the consumers."""
+    assert 2 <= K.stages_for(K.M) <= K.MAX_STAGES
 
 
-def _lowered_text(n_q, h, rows, topk):
+def _lowered_text(n_q, h, rows, topk, implementation="mosaic"):
     args = (
         jax.ShapeDtypeStruct((n_q, h, 576), jnp.bfloat16),
         jax.ShapeDtypeStruct((rows, 656), jnp.uint8),
         jax.ShapeDtypeStruct((n_q * topk,), jnp.int32),
         jax.ShapeDtypeStruct((n_q + 1,), jnp.int32),
     )
-    fn = jax.jit(lambda *a: jsm.sparse_mla(*a, implementation="mosaic", return_lse=True))
+    fn = jax.jit(lambda *a: jsm.sparse_mla(*a, implementation=implementation, return_lse=True))
     return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("sm90", [True, False])
+@pytest.mark.parametrize("n_q,h", [(1, 16), (4, 2), (128, 128)])
+def test_none_lowers_to_mosaic_on_hopper_and_to_pallas_past_it(monkeypatch, sm90, n_q, h):
+    """implementation=None for CUDA, whatever q's shape: the Mosaic GPU kernel on a Hopper GPU,
+    the Pallas (Triton) one on a later GPU, which has no sm_90a wgmma."""
+    monkeypatch.setattr(sparse_mla_module, "cuda_is_sm90", lambda: sm90)
+    text = _lowered_text(n_q, h, 500, 64, implementation=None)
+    assert ("@mosaic_gpu" in text) == sm90
+    assert ("__gpu$xla.gpu.triton" in text) == (not sm90)
 
 
 @pytest.mark.parametrize("h", [1, 16, 17, 32, 64, 128])
 def test_cuda_lowering_hands_the_cache_itself_to_the_kernel(h):
     """One Mosaic GPU custom call per op call, whose cache operand is the argument itself (no
-    view, pad or copy of it), for any head count (16 or 32 heads per CTA)."""
+    view, pad or copy of it), for any head count (16 heads per CTA)."""
     text = _lowered_text(3, h, 5000, 200)
     calls = re.findall(r"stablehlo\.custom_call @mosaic_gpu\w*\(([^)]*)\)", text)
     assert len(calls) == 1, text[:2000]
@@ -115,9 +130,9 @@ def test_more_than_2_31_records_is_refused_by_name():
 
 @pytest.mark.parametrize("implementation", ["mosaic", None])
 def test_vmap_runs_the_kernel_once_per_batch_element(implementation):
-    """Under vmap, "mosaic" and None's Mosaic choice on Hopper (<= 32 heads, >= 128 rows) both
-    lower for CUDA to one Mosaic GPU call inside a loop over the batch (the kernel's own vmap
-    rule; it has no batched grid)."""
+    """Under vmap, "mosaic" and None (the Mosaic kernel on Hopper) both lower for CUDA to one
+    Mosaic GPU call inside a loop over the batch (the kernel's own vmap rule; it has no
+    batched grid)."""
     args = (
         jax.ShapeDtypeStruct((2, 128, 16, 576), jnp.bfloat16),
         jax.ShapeDtypeStruct((1000, 656), jnp.uint8),

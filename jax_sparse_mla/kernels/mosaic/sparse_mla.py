@@ -1,21 +1,25 @@
 """Mosaic GPU (Hopper, sm_90a) ``sparse_mla`` over fp8_ds_mla records.
 
-One CTA owns ``m`` = 16 or 32 query rows (heads; more heads take several CTAs, launched side by
-side so that their gathers of the same records meet in L2) and one split of the row's key list,
-walked in tiles of ``T`` = 64 keys. Two warpgroups:
+One CTA owns ``M`` = 16 query rows (heads; more heads take several CTAs, launched side by side
+so that their gathers of the same records meet in L2) and one split of the row's key list,
+walked in tiles of ``T`` = 64 keys. Three warpgroups:
 
 * the producer gathers a tile into a ring of ``stages`` SMEM stages: lane j of its 128 threads
-  reads index j of the tile from global memory and copies that 656-byte record into SMEM row j
-  with one ``cp.async.bulk``; it also stores the index (-1 when masked) and the record's four
-  scales for the consumer; lane 0 then arms the stage's mbarrier with the tile's bytes. This is
-  inline PTX: Mosaic GPU's own copy primitive makes all 128 threads arrive on the barrier for
-  every copy and moves only multiples of 128 bytes;
-* the consumer computes, per tile, the transposed scores S^T [keys, heads] = K Q^T on wgmma,
-  with K's fp8 codes converted to bf16 in registers (exact) as the A operand and Q^T read from
-  swizzled SMEM; an f32 online softmax per head (a column of S^T); and O^T [dims, heads] +=
-  V^T P^T with V (the same bf16 codes, stored to swizzled SMEM while computing S^T) read
-  transposed. Heads are wgmma's N dimension, so 16 heads cost 16 columns (FlashMLA pads them to
-  64 rows).
+  takes index j of the tile and copies that 656-byte record into SMEM row j with one
+  ``cp.async.bulk``, stores the index (-1 when masked) and copies the record's four scales
+  with ``cp.async``; lane 0 then arms the stage's mbarrier with the tile's bytes. The indices of
+  the next tile are prefetched into SMEM with ``cp.async`` too, so no global load waits on the
+  producer's path. This is inline PTX: Mosaic GPU's own copy primitive makes all 128 threads
+  arrive on the barrier for every copy and moves only multiples of 128 bytes;
+* two consumers split each tile's latent dims: consumer c converts chunks 2c and 2c + 1 of K's
+  fp8 codes to bf16 in registers (exact) and computes its part of the transposed scores
+  S^T [keys, heads] = K Q^T on wgmma (K as the A operand, Q^T from swizzled SMEM; consumer 0
+  adds the rope); the two parts are added through SMEM (the same bits in both); consumer 0
+  runs the per-head max and sum of the f32 online softmax and hands the max to consumer 1;
+  each accumulates O^T [dims, heads] += V^T P^T for its 256 dims, V being the bf16 codes it
+  stored to swizzled SMEM. Heads are wgmma's N dimension, so 16 heads cost 16 columns
+  (FlashMLA pads them to 64 rows). One consumer alone left the SM idle between dependent
+  instructions; two halve each one's registers and share the one bf16 V tile SMEM holds.
 
 Numerics are the Pallas kernel's: the per-128-dim scales of a record multiply its partial
 scores and P (rounded to bf16 after that product), never K or V, so every product is exact
@@ -56,16 +60,21 @@ TARGET_CTAS = 132  # one CTA per H200 SM at a time
 LOG2E = math.log2(math.e)
 WORK = 32  # int32 words per CTA work entry (Pallas copies move multiples of 128 bytes)
 PRODUCER_BARRIER = 15  # a named barrier id that Mosaic GPU's own (1 + warpgroup) never takes
-
-
-def heads_per_cta(h: int) -> int:
-    """m: 16 or 32 heads per CTA (O^T [512, m] f32 in one warpgroup's registers: 4m each)."""
-    return 16 if h <= 16 else 32
+PAIR_BARRIER = 14  # the consumers' named barrier (256 threads), likewise free
+M = 16  # heads per CTA
+CONSUMERS = 2  # consumer warpgroups per CTA; consumer c owns latent chunks 2c and 2c + 1
+OWN = 2 * CHUNKS // CONSUMERS  # operand blocks (chunk, parity) per consumer: 4
 
 
 def stages_for(m: int) -> int:
-    """Record stages that fit in SMEM beside q, P^T, V (bf16) and the output staging."""
-    fixed = (BLOCKS * m * DB + CHUNKS * T * m + 2 * CHUNKS * T * DB) * 2 + DB * m * 4 + SMEM_SLACK
+    """Record stages that fit in SMEM beside q, P^T and V (bf16), and each consumer's partial
+    scores and output staging (f32)."""
+    fixed = (
+        (BLOCKS * m * DB + CHUNKS * T * m + 2 * CHUNKS * T * DB) * 2
+        + CONSUMERS * (DB * m + T * m) * 4
+        + 2 * T * 4
+        + SMEM_SLACK
+    )
     return max(1, min(MAX_STAGES, (SMEM_BYTES - fixed) // (T * (RECORD_BYTES + 4 + 16))))
 
 
@@ -87,20 +96,29 @@ def _unpermute_out(o):
 
 
 _GATHER_PTX = """{
-.reg .pred lead, act, ok;
-.reg .b32 lane;
-.reg .s32 key, k0;
-.reg .b32 s0, s1, s2, s3;
-.reg .b64 a, src, dst, st, sc;
+.reg .pred lead, act, ok, first, later, pre;
+.reg .b32 lane, slot;
+.reg .s32 key, k0, rest;
+.reg .b64 a, src, dst, st, sc, rg, nx;
 mov.u32 lane, %tid.x;
 and.b32 lane, lane, 127;
-setp.lt.s32 act, lane, $6;
 setp.lt.u32 lead, lane, TILE_KEYS;
+setp.lt.s32 act, lane, $6;
 and.pred act, act, lead;
+setp.eq.u32 first, $9, 0;
+setp.ne.u32 later, $9, 0;
+and.pred later, act, later;
+and.pred first, act, first;
 mul.wide.u32 a, lane, 4;
+and.b32 slot, $9, 1;
+mul.wide.u32 rg, slot, RING_SLOT;
+add.u64 rg, rg, a;
+add.u64 rg, rg, $8;
 add.u64 sc, a, $1;
 mov.s32 key, -1;
-@act ld.global.nc.s32 key, [sc];
+@first ld.global.nc.s32 key, [sc];
+cp.async.wait_all;
+@later ld.shared.s32 key, [rg];
 setp.ge.s32 ok, key, 0;
 @ok setp.lt.s32 ok, key, ROWS;
 selp.s32 k0, key, 0, ok;
@@ -111,14 +129,22 @@ selp.b64 src, src, $7, ok;
 mul.wide.u32 dst, lane, RECORD;
 add.u64 dst, dst, $2;
 @lead cp.async.bulk.shared::cta.global.mbarrier::complete_tx::bytes [dst], [src], RECORD, [$3];
-add.u64 sc, a, $4;
-@lead st.shared.s32 [sc], key;
-@lead ld.global.nc.v4.b32 {s0, s1, s2, s3}, [src+SCALES];
-add.u64 sc, a, $5;
-@lead st.shared.b32 [sc], s0;
-@lead st.shared.b32 [sc+CHUNK_STRIDE], s1;
-@lead st.shared.b32 [sc+CHUNK_STRIDE2], s2;
-@lead st.shared.b32 [sc+CHUNK_STRIDE3], s3;
+add.u64 st, a, $4;
+@lead st.shared.s32 [st], key;
+add.u64 st, a, $5;
+@lead cp.async.ca.shared.global [st], [src+SCALES], 4;
+@lead cp.async.ca.shared.global [st+CHUNK_STRIDE], [src+SCALES4], 4;
+@lead cp.async.ca.shared.global [st+CHUNK_STRIDE2], [src+SCALES8], 4;
+@lead cp.async.ca.shared.global [st+CHUNK_STRIDE3], [src+SCALES12], 4;
+@lead cp.async.mbarrier.arrive.shared::cta.b64 [$3];
+sub.s32 rest, $6, TILE_KEYS;
+setp.lt.s32 pre, lane, rest;
+and.pred pre, pre, lead;
+xor.b32 slot, slot, 1;
+mul.wide.u32 nx, slot, RING_SLOT;
+add.u64 nx, nx, a;
+add.u64 nx, nx, $8;
+@pre cp.async.ca.shared.global [nx], [sc+RING_SLOT], 4;
 bar.sync PRODUCER_BARRIER, 128;
 setp.eq.u32 lead, lane, 0;
 @lead mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 st, [$3], TILE_BYTES;
@@ -127,7 +153,11 @@ for _name, _value in {
     "TILE_BYTES": T * RECORD_BYTES,
     "TILE_KEYS": T,
     "RECORD": RECORD_BYTES,
+    "SCALES12": SCALES_OFFSET + 12,
+    "SCALES8": SCALES_OFFSET + 8,
+    "SCALES4": SCALES_OFFSET + 4,
     "SCALES": SCALES_OFFSET,
+    "RING_SLOT": 4 * T,
     "CHUNK_STRIDE3": 12 * T,
     "CHUNK_STRIDE2": 8 * T,
     "CHUNK_STRIDE": 4 * T,
@@ -178,32 +208,55 @@ def _init_barriers(bars_ref, count: int):
 
 
 def _gather_tile(
-    records_ref, idx_ref, raw_ref, bar_ref, ids_ref, sc_ref, zero_ref, remaining, rows: int
+    records_ref,
+    idx_ref,
+    raw_ref,
+    bar_ref,
+    ids_ref,
+    sc_ref,
+    zero_ref,
+    ring_ref,
+    remaining,
+    t,
+    rows: int,
 ):
-    """Producer warpgroup, one tile of keys ``idx[:min(T, remaining)]``.
+    """Producer warpgroup, tile ``t`` of keys ``idx[:min(T, remaining)]``.
 
-    Lane j < T: ``key = idx[j]`` (-1 past ``remaining`` or outside [0, rows): such a key's
-    record is never read; the all-zero record ``zero`` is copied in its place, so its K, V and
-    scales are 0 and the tile's byte count is fixed); one ``cp.async.bulk`` of that record ->
-    ``raw[j]`` completing on ``bar``; ``ids[j] = key``; ``sc[c, j]`` = the record's scale c.
-    After a producer-wide barrier lane 0 arms ``bar`` with the tile's bytes, a release: the ids
-    and scales are visible to whoever acquires the completed phase.
+    Lane j < T: ``key = idx[j]`` (read from global memory on tile 0, else from slot t % 2 of
+    ``ring``, where tile t - 1 prefetched it; -1 past ``remaining`` or outside [0, rows): such
+    a key's record is never read; the all-zero record ``zero`` is copied in its place, so its
+    K, V and scales are 0 and the tile's byte count is fixed); one ``cp.async.bulk`` of that
+    record -> ``raw[j]`` completing on ``bar``; ``ids[j] = key``; ``sc[c, j]`` = the record's
+    scale c, four 4-byte ``cp.async`` copies that ``bar`` also waits for
+    (``cp.async.mbarrier.arrive``); then ``idx[T + j]`` -> ring slot (t + 1) % 2 with
+    ``cp.async`` where tile t + 1 has key j (each lane reads back only what it copied, after
+    ``cp.async.wait_all``). After a producer-wide barrier lane 0 arms ``bar`` with the tile's
+    bytes, a release: the ids are visible to whoever acquires the completed phase.
     """
     plgpu, mgpu_utils, ir, llvm, _, _ = _mgpu()
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 7 + (plgpu.Layout.WG_SPLAT(shape=()),))
-    def gather(ctx, records, idx, raw, bar, ids, sc, zero, remaining):
+    splat = plgpu.Layout.WG_SPLAT(shape=())
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 8 + (splat, splat))
+    def gather(ctx, records, idx, raw, bar, ids, sc, zero, ring, remaining, t):
         del ctx
         ptrs = [mgpu_utils.memref_ptr(r) for r in (records, idx, raw, bar, ids, sc)]
         llvm.inline_asm(
             ir.Type.parse("!llvm.void"),
-            [*ptrs, remaining.registers.item(), mgpu_utils.memref_ptr(zero)],
+            [
+                *ptrs,
+                remaining.registers.item(),
+                mgpu_utils.memref_ptr(zero),
+                mgpu_utils.memref_ptr(ring),
+                t.registers.item(),
+            ],
             _GATHER_PTX.replace("ROWS", str(rows)),
-            "l,l,l,l,l,l,r,l",
+            "l,l,l,l,l,l,r,l,l,r",
             has_side_effects=True,
         )
 
-    gather(records_ref, idx_ref, raw_ref, bar_ref, ids_ref, sc_ref, zero_ref, remaining)
+    refs = (records_ref, idx_ref, raw_ref, bar_ref, ids_ref, sc_ref, zero_ref, ring_ref)
+    gather(*refs, remaining, t)
 
 
 def _wait(bar_ref, parity):
@@ -217,6 +270,24 @@ def _wait(bar_ref, parity):
         nvvm.mbarrier_try_wait_parity(mgpu_utils.memref_ptr(bar), parity.registers.item(), ticks)
 
     wait(bar_ref, parity)
+
+
+def _pair_barrier():
+    """The two consumer warpgroups meet; their SMEM accesses before it precede those after."""
+    plgpu, _, ir, llvm, _, _ = _mgpu()
+
+    @plgpu.inline_mgpu()
+    def sync(ctx):
+        del ctx
+        llvm.inline_asm(
+            ir.Type.parse("!llvm.void"),
+            [],
+            f"bar.sync {PAIR_BARRIER}, {128 * CONSUMERS};",
+            "",
+            has_side_effects=True,
+        )
+
+    sync()
 
 
 def _kernel(
@@ -234,10 +305,13 @@ def _kernel(
     sc_smem,
     p_smem,
     v_smem,
+    s_smem,
+    ml_smem,
     o_smem,
     lse_smem,
     work_smem,
     scale_smem,
+    ring_smem,
     rec_bars,
     setup,
     consumed,
@@ -252,6 +326,12 @@ def _kernel(
     zero [656] uint8 (the record copied for a masked key); o [G, S, HB, 512, m] f32 (O^T,
     permuted dims); lse [G, S, HB, 64] f32 (log2 units in the first m entries; -inf for a head
     without keys).
+
+    Warpgroups 0 and 1 consume, warpgroup 2 produces. Consumer c converts, scores and
+    accumulates only its own latent chunks (2c, 2c + 1; consumer 0 also the rope): the two
+    partial scores meet in SMEM (``s_smem``), consumer 0 alone runs the cross-warp softmax
+    reductions (Mosaic GPU's reduction scratch is one per CTA) and hands the running max to
+    consumer 1 (``ml_smem``), and each accumulates O^T for its own 256 dims.
     """
     plgpu = _mgpu()[0]
     hbs = q_ref.shape[1]
@@ -283,7 +363,7 @@ def _kernel(
     length = work_smem[1]
     count = (length + T - 1) // T
 
-    @pl.when(wg == 1)
+    @pl.when(wg == CONSUMERS)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
 
@@ -303,67 +383,82 @@ def _kernel(
                 ids_smem.at[stage],
                 sc_smem.at[stage],
                 zero_ref,
+                ring_smem,
                 length - t * T,
+                t,
                 records_ref.shape[0],
             )
 
-    @pl.when(wg == 0)
-    def _consumer():
+    def consume(c: int):
         plgpu.set_max_registers(232, action="increase")
         scale = plgpu.load(scale_smem.at[pl.ds(0, m)], (), layout=per_head)
+        blocks = range(OWN * c, OWN * (c + 1))
+        chunks = range(OWN * c // 2, OWN * (c + 1) // 2)
 
-        def codes(stage, c, parity):
-            """bf16 codes [T keys, DB dims] of latent block (c, parity), WGMMA layout."""
-            w = plgpu.load(raw.at[stage, :, pl.ds(DB * c, DB)], (), layout=wgmma)
-            b = ((w >> (8 * parity)) & 0xFF).astype(jnp.uint8)
-            f8 = jax.lax.bitcast_convert_type(b, jnp.float8_e4m3fn)
+        def codes(stage, b):
+            """bf16 codes [T keys, DB dims] of latent block b = (chunk, parity), WGMMA layout."""
+            w = plgpu.load(raw.at[stage, :, pl.ds(DB * (b // 2), DB)], (), layout=wgmma)
+            byte = ((w >> (8 * (b % 2))) & 0xFF).astype(jnp.uint8)
+            f8 = jax.lax.bitcast_convert_type(byte, jnp.float8_e4m3fn)
             return f8.astype(jnp.float16).astype(jnp.bfloat16)  # both exact
 
         def scores(stage):
-            """S^T [T, m] f32 per scale chunk (CHUNKS of them), then the rope's.
+            """This consumer's unscaled S^T parts [T, m] f32: one per own chunk (+ the rope).
 
-            The bf16 K blocks also go to ``v_smem`` for P @ V. One wgmma wait for all nine.
+            Its bf16 K blocks also go to ``v_smem`` for P @ V. One wgmma wait for all.
             """
 
             def run(accs):
-                for c in range(CHUNKS):
-                    for parity in range(2):
-                        k = codes(stage, c, parity)
-                        v_smem[2 * c + parity] = k
-                        q_t = plgpu.transpose_ref(q_smem.at[2 * c + parity], (1, 0))
-                        plgpu.wgmma(accs[c], k, q_t)
-                rope = plgpu.load(raw.at[stage, :, pl.ds(ROPE_WORD, DB)], (), layout=wgmma)
-                rope = jax.lax.bitcast_convert_type(rope, jnp.bfloat16)
-                plgpu.wgmma(accs[CHUNKS], rope, plgpu.transpose_ref(q_smem.at[BLOCKS - 1], (1, 0)))
+                for b in blocks:
+                    k = codes(stage, b)
+                    v_smem[b] = k
+                    q_t = plgpu.transpose_ref(q_smem.at[b], (1, 0))
+                    plgpu.wgmma(accs[b // 2 - chunks[0]], k, q_t)
+                if c == 0:
+                    rope = plgpu.load(raw.at[stage, :, pl.ds(ROPE_WORD, DB)], (), layout=wgmma)
+                    rope = jax.lax.bitcast_convert_type(rope, jnp.bfloat16)
+                    q_t = plgpu.transpose_ref(q_smem.at[BLOCKS - 1], (1, 0))
+                    plgpu.wgmma(accs[len(chunks)], rope, q_t)
                 return [a[...] for a in accs]
 
-            return pl.run_scoped(run, [plgpu.ACC((T, m), jnp.float32)] * (CHUNKS + 1))
+            n = len(chunks) + (c == 0)
+            return pl.run_scoped(run, [plgpu.ACC((T, m), jnp.float32)] * n)
 
         def tile(t, carry):
             m_run, l_run, accs = carry
             stage = jax.lax.rem(t, stages)
             _wait(rec_bars.at[pl.ds(stage, 1)], jax.lax.rem(t // stages, 2))
             ids = plgpu.load(ids_smem.at[stage], (), layout=per_key)
-            sc = [plgpu.load(sc_smem.at[stage, c], (), layout=per_key) for c in range(CHUNKS)]
+            sc = [plgpu.load(sc_smem.at[stage, ch], (), layout=per_key) for ch in chunks]
             parts = scores(stage)
-            s = parts[CHUNKS]
-            for c in range(CHUNKS):
-                s = s + parts[c] * by_key(sc[c])
+            plgpu.barrier_arrive(consumed.at[stage])  # this consumer's reads of it are done
+            s = parts[len(chunks)] if c == 0 else None
+            for i in range(len(chunks)):
+                term = parts[i] * by_key(sc[i])
+                s = term if s is None else s + term
+            s_smem[c] = s
+            _pair_barrier()  # both partial scores are in SMEM
+            s = s + plgpu.load(s_smem.at[1 - c], (), layout=wgmma)  # the same bits in both
             s = jnp.where(by_key(ids) >= 0, s * by_head(scale), -jnp.inf)  # log2 units
-            m_new = jnp.maximum(m_run, s.max(axis=0))
+            if c == 0:
+                m_new = jnp.maximum(m_run, s.max(axis=0))
+                ml_smem[pl.ds(0, m)] = m_new
+            _pair_barrier()  # the running max is in SMEM; both partials have been read
+            if c != 0:
+                m_new = plgpu.load(ml_smem.at[pl.ds(0, m)], (), layout=per_head)
             m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             alpha = jnp.exp2(m_run - m_ref)
             p = jnp.exp2(s - by_head(m_ref))
-            l_run = l_run * alpha + p.sum(axis=0)
-            for c in range(CHUNKS):
-                p_smem[c] = (p * by_key(sc[c])).astype(jnp.bfloat16)
-            plgpu.commit_smem()  # P^T and V visible to wgmma; every read of the stage is done
-            plgpu.barrier_arrive(consumed.at[stage])
+            if c == 0:
+                l_run = l_run * alpha + p.sum(axis=0)
+            for i, ch in enumerate(chunks):
+                p_smem[ch] = (p * by_key(sc[i])).astype(jnp.bfloat16)
+            plgpu.commit_smem()  # P^T and V visible to wgmma
 
             def pv(acc_refs):
-                for b in range(2 * CHUNKS):
+                for i, b in enumerate(blocks):
                     v_t = plgpu.transpose_ref(v_smem.at[b], (1, 0))
-                    plgpu.wgmma(acc_refs[b], v_t, p_smem.at[b // 2])
+                    plgpu.wgmma(acc_refs[i], v_t, p_smem.at[b // 2])
 
             accs = pl.run_state(pv)(tuple(plgpu.ACC.init(a * by_head(alpha, DB)) for a in accs))
             return m_new, l_run, list(accs)
@@ -371,21 +466,30 @@ def _kernel(
         m0 = plgpu.layout_cast(jnp.full((m,), -jnp.inf, jnp.float32), per_head)
         l0 = plgpu.layout_cast(jnp.full((m,), 0.0, jnp.float32), per_head)
         zero = plgpu.layout_cast(jnp.zeros((DB, m), jnp.float32), wgmma)
-        m_run, l_run, accs = jax.lax.fori_loop(0, count, tile, (m0, l0, [zero] * (2 * CHUNKS)))
+        m_run, l_run, accs = jax.lax.fori_loop(0, count, tile, (m0, l0, [zero] * OWN))
+        if c == 0:
+            ml_smem[pl.ds(DB, m)] = l_run
+        _pair_barrier()  # consumer 0's softmax sum is in SMEM
+        if c != 0:
+            l_run = plgpu.load(ml_smem.at[pl.ds(DB, m)], (), layout=per_head)
         has = l_run != 0
         inv_l = jnp.where(has, 1.0 / jnp.where(has, l_run, 1.0), 0.0)
-        for b, acc in enumerate(accs):
-            o_smem[...] = acc * by_head(inv_l, DB)
+        for b, acc in zip(blocks, accs, strict=True):
+            o_smem[c] = acc * by_head(inv_l, DB)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[g, split, hb, pl.ds(DB * b, DB)])
+            plgpu.copy_smem_to_gmem(o_smem.at[c], o_ref.at[g, split, hb, pl.ds(DB * b, DB)])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            plgpu.commit_smem()  # (a warpgroup barrier) o_smem is free again for every thread
-        lse_smem[pl.ds(0, m)] = jnp.where(
-            has, m_run + jnp.log2(jnp.where(has, l_run, 1.0)), -jnp.inf
-        )
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[g, split, hb])
+            plgpu.commit_smem()  # (a warpgroup barrier) o_smem[c] is free again for every thread
+        if c == 0:
+            lse_smem[pl.ds(0, m)] = jnp.where(
+                has, m_run + jnp.log2(jnp.where(has, l_run, 1.0)), -jnp.inf
+            )
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[g, split, hb])
         plgpu.wait_smem_to_gmem(0)
+
+    for c in range(CONSUMERS):
+        pl.when(wg == c)(functools.partial(consume, c))
 
 
 def _scratch(m: int):
@@ -405,13 +509,16 @@ def _scratch(m: int):
         plgpu.SMEM((stages, CHUNKS, T), jnp.float32),
         swizzled((CHUNKS, T, m), pv_swizzle),
         swizzled((2 * CHUNKS, T, DB), pv_swizzle),  # wgmma wants both operands' swizzles equal
-        plgpu.SMEM((DB, m), jnp.float32),
+        plgpu.SMEM((CONSUMERS, T, m), jnp.float32),  # each consumer's partial scores
+        plgpu.SMEM((2 * DB,), jnp.float32),  # consumer 0's running max, then its softmax sum
+        plgpu.SMEM((CONSUMERS, DB, m), jnp.float32),
         plgpu.SMEM((64,), jnp.float32),
         plgpu.SMEM((WORK,), jnp.int32),
         plgpu.SMEM((64,), jnp.float32),
+        plgpu.SMEM((2, T), jnp.int32),  # the producer's index ring (tile t + 1 prefetched)
         plgpu.SMEM((stages,), jnp.int64),  # the record mbarriers (inline PTX)
         plgpu.Barrier(num_arrivals=3),
-        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
     ]
 
 
@@ -476,7 +583,7 @@ def _sparse_mla_mosaic(q, kv, idx, indptr, sm_scale):
         return no_keys(n_q, h)
     if rows >= 2**31:
         raise NotImplementedError("the Mosaic GPU sparse_mla reads int32 record indices")
-    m = heads_per_cta(h)
+    m = M
     hbs = -(-h // m)
     splits = choose_splits(n_q * hbs, nnz / T / n_q)
     work = _work(idx, indptr, splits)
@@ -490,7 +597,7 @@ def _sparse_mla_mosaic(q, kv, idx, indptr, sm_scale):
         scratch_types=_scratch(m),
         grid=(n_q * hbs, splits),  # a row's head blocks side by side: their gathers share L2
         grid_names=("gh", "split"),
-        num_threads=2,
+        num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             approx_math=True,
