@@ -68,6 +68,17 @@ def test_work_covers_each_row_once_in_tile_multiples(splits):
         assert pos == end, (r, work[r])
 
 
+def test_register_split_fits_the_launch_allocation():
+    """``setmaxnreg`` takes multiples of 8 in [24, 256], and the warpgroups together may hold
+    no more than the CTA got at launch (ptxas: 65536 over ``.maxntid`` threads, rounded down
+    to 8 each)."""
+    threads = 128 * (K.CONSUMERS + 1)
+    for regs in (K.consumer_registers(), K.PRODUCER_REGISTERS):
+        assert regs % 8 == 0 and 24 <= regs <= 256
+    held = 128 * (K.CONSUMERS * K.consumer_registers() + K.PRODUCER_REGISTERS)
+    assert held <= 65536 // threads // 8 * 8 * threads
+
+
 def test_stages_fit_shared_memory():
     """Two record stages fit beside the rest: one alone would leave the producer no room to
     run ahead of the consumers."""

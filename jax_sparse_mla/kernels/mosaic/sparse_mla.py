@@ -11,15 +11,16 @@ walked in tiles of ``T`` = 64 keys. Three warpgroups:
   the next tile are prefetched into SMEM with ``cp.async`` too, so no global load waits on the
   producer's path. This is inline PTX: Mosaic GPU's own copy primitive makes all 128 threads
   arrive on the barrier for every copy and moves only multiples of 128 bytes;
-* two consumers split each tile's latent dims: consumer c converts chunks 2c and 2c + 1 of K's
-  fp8 codes to bf16 in registers (exact) and computes its part of the transposed scores
-  S^T [keys, heads] = K Q^T on wgmma (K as the A operand, Q^T from swizzled SMEM; consumer 0
-  adds the rope); the two parts are added through SMEM (the same bits in both); consumer 0
-  runs the per-head max and sum of the f32 online softmax and hands the max to consumer 1;
-  each accumulates O^T [dims, heads] += V^T P^T for its 256 dims, V being the bf16 codes it
-  stored to swizzled SMEM. Heads are wgmma's N dimension, so 16 heads cost 16 columns
-  (FlashMLA pads them to 64 rows). One consumer alone left the SM idle between dependent
-  instructions; two halve each one's registers and share the one bf16 V tile SMEM holds.
+* ``CONSUMERS`` = 2 consumers split each tile's latent dims: consumer c converts chunks 2c
+  and 2c + 1 of K's fp8 codes to bf16 in registers (exact) and computes its part of the
+  transposed scores S^T [keys, heads] = K Q^T on wgmma (K as the A operand, Q^T from swizzled
+  SMEM; consumer 0 adds the rope); the parts are added through SMEM, in one order in every
+  consumer (the same bits in each); consumer 0 runs the per-head max and sum of the f32
+  online softmax and hands them to the others; each accumulates O^T [dims, heads] += V^T P^T
+  for its 256 dims, V being the bf16 codes it stored to swizzled SMEM. Heads are wgmma's N
+  dimension, so 16 heads cost 16 columns (FlashMLA pads them to 64 rows). One consumer alone
+  left the SM idle between dependent instructions; two halve each one's registers and share
+  the one bf16 V tile SMEM holds.
 
 Numerics are the Pallas kernel's: the per-128-dim scales of a record multiply its partial
 scores and P (rounded to bf16 after that product), never K or V, so every product is exact
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -60,10 +62,20 @@ TARGET_CTAS = 132  # one CTA per H200 SM at a time
 LOG2E = math.log2(math.e)
 WORK = 32  # int32 words per CTA work entry (Pallas copies move multiples of 128 bytes)
 PRODUCER_BARRIER = 15  # a named barrier id that Mosaic GPU's own (1 + warpgroup) never takes
-PAIR_BARRIER = 14  # the consumers' named barrier (256 threads), likewise free
+CONSUMER_BARRIER = 14  # the consumers' named barrier (128 * CONSUMERS threads), likewise free
 M = 16  # heads per CTA
-CONSUMERS = 2  # consumer warpgroups per CTA; consumer c owns latent chunks 2c and 2c + 1
+CONSUMERS = 2  # consumer warpgroups per CTA, each owning CHUNKS // CONSUMERS latent chunks
 OWN = 2 * CHUNKS // CONSUMERS  # operand blocks (chunk, parity) per consumer: 4
+PRODUCER_REGISTERS = 40
+
+
+def consumer_registers() -> int:
+    """Registers per consumer thread (``setmaxnreg``): the CTA's launch allocation (65536 per
+    SM split evenly over its threads, in multiples of 8, as ptxas allots for ``.maxntid``) less
+    the producer's, shared by the consumers. 232 with two consumers."""
+    threads = 128 * (CONSUMERS + 1)
+    launch = 65536 // threads // 8 * 8 * threads
+    return (launch - 128 * PRODUCER_REGISTERS) // (128 * CONSUMERS) // 8 * 8
 
 
 def stages_for(m: int) -> int:
@@ -272,8 +284,8 @@ def _wait(bar_ref, parity):
     wait(bar_ref, parity)
 
 
-def _pair_barrier():
-    """The two consumer warpgroups meet; their SMEM accesses before it precede those after."""
+def _consumers_barrier():
+    """The consumer warpgroups meet; their SMEM accesses before it precede those after."""
     plgpu, _, ir, llvm, _, _ = _mgpu()
 
     @plgpu.inline_mgpu()
@@ -282,7 +294,7 @@ def _pair_barrier():
         llvm.inline_asm(
             ir.Type.parse("!llvm.void"),
             [],
-            f"bar.sync {PAIR_BARRIER}, {128 * CONSUMERS};",
+            f"bar.sync {CONSUMER_BARRIER}, {128 * CONSUMERS};",
             "",
             has_side_effects=True,
         )
@@ -327,11 +339,12 @@ def _kernel(
     permuted dims); lse [G, S, HB, 64] f32 (log2 units in the first m entries; -inf for a head
     without keys).
 
-    Warpgroups 0 and 1 consume, warpgroup 2 produces. Consumer c converts, scores and
-    accumulates only its own latent chunks (2c, 2c + 1; consumer 0 also the rope): the two
-    partial scores meet in SMEM (``s_smem``), consumer 0 alone runs the cross-warp softmax
-    reductions (Mosaic GPU's reduction scratch is one per CTA) and hands the running max to
-    consumer 1 (``ml_smem``), and each accumulates O^T for its own 256 dims.
+    Warpgroups 0 .. CONSUMERS - 1 consume, warpgroup CONSUMERS produces. Consumer c converts,
+    scores and accumulates only its own latent chunks (consumer 0 also the rope): the partial
+    scores meet in SMEM (``s_smem``) and each consumer adds them in the same order; consumer 0
+    alone runs the cross-warp softmax reductions (Mosaic GPU's reduction scratch is one per
+    CTA) and hands the running max, then the sum, to the others (``ml_smem``); each
+    accumulates O^T for its own dims.
     """
     plgpu = _mgpu()[0]
     hbs = q_ref.shape[1]
@@ -365,7 +378,7 @@ def _kernel(
 
     @pl.when(wg == CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
         @pl.loop(0, count)
         def _(t):
@@ -390,7 +403,7 @@ def _kernel(
             )
 
     def consume(c: int):
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(consumer_registers(), action="increase")
         scale = plgpu.load(scale_smem.at[pl.ds(0, m)], (), layout=per_head)
         blocks = range(OWN * c, OWN * (c + 1))
         chunks = range(OWN * c // 2, OWN * (c + 1) // 2)
@@ -437,13 +450,17 @@ def _kernel(
                 term = parts[i] * by_key(sc[i])
                 s = term if s is None else s + term
             s_smem[c] = s
-            _pair_barrier()  # both partial scores are in SMEM
-            s = s + plgpu.load(s_smem.at[1 - c], (), layout=wgmma)  # the same bits in both
+            _consumers_barrier()  # every partial score is in SMEM
+            parts = [
+                s if i == c else plgpu.load(s_smem.at[i], (), layout=wgmma)
+                for i in range(CONSUMERS)
+            ]
+            s = functools.reduce(operator.add, parts)  # one order: the same bits in each
             s = jnp.where(by_key(ids) >= 0, s * by_head(scale), -jnp.inf)  # log2 units
             if c == 0:
                 m_new = jnp.maximum(m_run, s.max(axis=0))
                 ml_smem[pl.ds(0, m)] = m_new
-            _pair_barrier()  # the running max is in SMEM; both partials have been read
+            _consumers_barrier()  # the running max is in SMEM; every partial has been read
             if c != 0:
                 m_new = plgpu.load(ml_smem.at[pl.ds(0, m)], (), layout=per_head)
             m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -469,7 +486,7 @@ def _kernel(
         m_run, l_run, accs = jax.lax.fori_loop(0, count, tile, (m0, l0, [zero] * OWN))
         if c == 0:
             ml_smem[pl.ds(DB, m)] = l_run
-        _pair_barrier()  # consumer 0's softmax sum is in SMEM
+        _consumers_barrier()  # consumer 0's softmax sum is in SMEM
         if c != 0:
             l_run = plgpu.load(ml_smem.at[pl.ds(DB, m)], (), layout=per_head)
         has = l_run != 0
