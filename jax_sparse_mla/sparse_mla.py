@@ -48,10 +48,9 @@ def hopper_choice() -> str:
     return "mosaic" if cuda_is_sm90() else "pallas"
 
 
-def _hopper_kernel(q, kv, idx, indptr, sm_scale, *, return_lse: bool):
+def _hopper_kernel(q, kv, idx, indptr, sm_scale):
     kernel = {"mosaic": sparse_mla_mosaic, "pallas": sparse_mla_kernel}[hopper_choice()]
-    out, lse = kernel(q, kv, idx, indptr, sm_scale)
-    return out, (lse if return_lse else None)
+    return kernel(q, kv, idx, indptr, sm_scale)
 
 
 # implementation name -> fn(q, kv, idx, indptr, sm_scale, *, return_lse) -> (out bf16, lse f32 or
@@ -69,7 +68,7 @@ _IMPLEMENTATIONS = {
             "flydsl": sparse_mla_flydsl,
             None: by_platform(
                 default=_XLA,
-                cuda=hopper_or(_hopper_kernel, _XLA),
+                cuda=hopper_or(_lse_if(_hopper_kernel), _XLA),
                 rocm=gfx950_or("sparse_mla", sparse_mla_flydsl, _XLA, sparse_mla_unsupported),
             ),
         }.items()
