@@ -82,7 +82,7 @@ def test_register_split_fits_the_launch_allocation():
 def test_stages_fit_shared_memory():
     """Two record stages fit beside the rest: one alone would leave the producer no room to
     run ahead of the consumers."""
-    assert 2 <= K.stages_for(K.M) <= K.MAX_STAGES
+    assert 2 <= K.stages_for() <= K.MAX_STAGES
 
 
 def _lowered_text(n_q, h, rows, topk, implementation="mosaic"):

@@ -78,12 +78,12 @@ def consumer_registers() -> int:
     return (launch - 128 * PRODUCER_REGISTERS) // (128 * CONSUMERS) // 8 * 8
 
 
-def stages_for(m: int) -> int:
+def stages_for() -> int:
     """Record stages that fit in SMEM beside q, P^T and V (bf16), and each consumer's partial
     scores and output staging (f32)."""
     fixed = (
-        (BLOCKS * m * DB + CHUNKS * T * m + 2 * CHUNKS * T * DB) * 2
-        + CONSUMERS * (DB * m + T * m) * 4
+        (BLOCKS * M * DB + CHUNKS * T * M + 2 * CHUNKS * T * DB) * 2
+        + CONSUMERS * (DB * M + T * M) * 4
         + 2 * T * 4
         + SMEM_SLACK
     )
@@ -327,16 +327,14 @@ def _kernel(
     rec_bars,
     setup,
     consumed,
-    *,
-    m: int,
 ):
-    """One CTA: heads [hb * m, hb * m + m) of row group g, split ``split`` of its keys.
+    """One CTA: heads [hb * M, hb * M + M) of row group g, split ``split`` of its keys.
 
-    Refs (GMEM): records [N, 656] uint8; q [G, HB, BLOCKS, m, DB] bf16; idx [nnz] int32 (a
+    Refs (GMEM): records [N, 656] uint8; q [G, HB, BLOCKS, M, DB] bf16; idx [nnz] int32 (a
     tile's slice may extend past nnz: entries past its key count are never read); work [G, S,
     WORK] int32 (first position in idx, key count, 0...); scale [64] f32 (sm_scale * log2 e);
-    zero [656] uint8 (the record copied for a masked key); o [G, S, HB, 512, m] f32 (O^T,
-    permuted dims); lse [G, S, HB, 64] f32 (log2 units in the first m entries; -inf for a head
+    zero [656] uint8 (the record copied for a masked key); o [G, S, HB, 512, M] f32 (O^T,
+    permuted dims); lse [G, S, HB, 64] f32 (log2 units in the first M entries; -inf for a head
     without keys).
 
     Warpgroups 0 .. CONSUMERS - 1 consume, warpgroup CONSUMERS produces. Consumer c converts,
@@ -352,16 +350,16 @@ def _kernel(
     hb = jax.lax.rem(jax.lax.axis_index("gh"), hbs)
     split = jax.lax.axis_index("split")
     wg = jax.lax.axis_index("wg")
-    stages = stages_for(m)
+    stages = stages_for()
     wgmma = plgpu.Layout.WGMMA
     per_key = wgmma.reduce(1)  # one value per row of S^T (a key)
     per_head = wgmma.reduce(0)  # one value per column of S^T (a head)
 
-    def by_key(v):  # [T] per-key values broadcast over the heads: [T, m]
-        return jax.lax.broadcast_in_dim(v, (T, m), [0])
+    def by_key(v):  # [T] per-key values broadcast over the heads: [T, M]
+        return jax.lax.broadcast_in_dim(v, (T, M), [0])
 
-    def by_head(v, rows=T):  # [m] per-head values broadcast over rows: [rows, m]
-        return jax.lax.broadcast_in_dim(v, (rows, m), [1])
+    def by_head(v, rows=T):  # [M] per-head values broadcast over rows: [rows, M]
+        return jax.lax.broadcast_in_dim(v, (rows, M), [1])
 
     _init_barriers(rec_bars, stages)
 
@@ -404,7 +402,7 @@ def _kernel(
 
     def consume(c: int):
         plgpu.set_max_registers(consumer_registers(), action="increase")
-        scale = plgpu.load(scale_smem.at[pl.ds(0, m)], (), layout=per_head)
+        scale = plgpu.load(scale_smem.at[pl.ds(0, M)], (), layout=per_head)
         blocks = range(OWN * c, OWN * (c + 1))
         chunks = range(OWN * c // 2, OWN * (c + 1) // 2)
 
@@ -416,7 +414,7 @@ def _kernel(
             return f8.astype(jnp.float16).astype(jnp.bfloat16)  # both exact
 
         def scores(stage):
-            """This consumer's unscaled S^T parts [T, m] f32: one per own chunk (+ the rope).
+            """This consumer's unscaled S^T parts [T, M] f32: one per own chunk (+ the rope).
 
             Its bf16 K blocks also go to ``v_smem`` for P @ V. One wgmma wait for all.
             """
@@ -435,7 +433,7 @@ def _kernel(
                 return [a[...] for a in accs]
 
             n = len(chunks) + (c == 0)
-            return pl.run_scoped(run, [plgpu.ACC((T, m), jnp.float32)] * n)
+            return pl.run_scoped(run, [plgpu.ACC((T, M), jnp.float32)] * n)
 
         def tile(t, carry):
             m_run, l_run, accs = carry
@@ -459,10 +457,10 @@ def _kernel(
             s = jnp.where(by_key(ids) >= 0, s * by_head(scale), -jnp.inf)  # log2 units
             if c == 0:
                 m_new = jnp.maximum(m_run, s.max(axis=0))
-                ml_smem[pl.ds(0, m)] = m_new
+                ml_smem[pl.ds(0, M)] = m_new
             _consumers_barrier()  # the running max is in SMEM; every partial has been read
             if c != 0:
-                m_new = plgpu.load(ml_smem.at[pl.ds(0, m)], (), layout=per_head)
+                m_new = plgpu.load(ml_smem.at[pl.ds(0, M)], (), layout=per_head)
             m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             alpha = jnp.exp2(m_run - m_ref)
             p = jnp.exp2(s - by_head(m_ref))
@@ -480,15 +478,15 @@ def _kernel(
             accs = pl.run_state(pv)(tuple(plgpu.ACC.init(a * by_head(alpha, DB)) for a in accs))
             return m_new, l_run, list(accs)
 
-        m0 = plgpu.layout_cast(jnp.full((m,), -jnp.inf, jnp.float32), per_head)
-        l0 = plgpu.layout_cast(jnp.full((m,), 0.0, jnp.float32), per_head)
-        zero = plgpu.layout_cast(jnp.zeros((DB, m), jnp.float32), wgmma)
+        m0 = plgpu.layout_cast(jnp.full((M,), -jnp.inf, jnp.float32), per_head)
+        l0 = plgpu.layout_cast(jnp.full((M,), 0.0, jnp.float32), per_head)
+        zero = plgpu.layout_cast(jnp.zeros((DB, M), jnp.float32), wgmma)
         m_run, l_run, accs = jax.lax.fori_loop(0, count, tile, (m0, l0, [zero] * OWN))
         if c == 0:
-            ml_smem[pl.ds(DB, m)] = l_run
+            ml_smem[pl.ds(DB, M)] = l_run
         _consumers_barrier()  # consumer 0's softmax sum is in SMEM
         if c != 0:
-            l_run = plgpu.load(ml_smem.at[pl.ds(DB, m)], (), layout=per_head)
+            l_run = plgpu.load(ml_smem.at[pl.ds(DB, M)], (), layout=per_head)
         has = l_run != 0
         inv_l = jnp.where(has, 1.0 / jnp.where(has, l_run, 1.0), 0.0)
         for b, acc in zip(blocks, accs, strict=True):
@@ -498,7 +496,7 @@ def _kernel(
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             plgpu.commit_smem()  # (a warpgroup barrier) o_smem[c] is free again for every thread
         if c == 0:
-            lse_smem[pl.ds(0, m)] = jnp.where(
+            lse_smem[pl.ds(0, M)] = jnp.where(
                 has, m_run + jnp.log2(jnp.where(has, l_run, 1.0)), -jnp.inf
             )
             plgpu.commit_smem()
@@ -509,26 +507,26 @@ def _kernel(
         pl.when(wg == c)(functools.partial(consume, c))
 
 
-def _scratch(m: int):
+def _scratch():
     """The SMEM buffers and barriers of one CTA, in ``_kernel``'s order."""
     plgpu = _mgpu()[0]
-    stages = stages_for(m)
-    pv_swizzle = plgpu.find_swizzle(m * 16, "rhs")  # one P^T row: m bf16
+    stages = stages_for()
+    pv_swizzle = plgpu.find_swizzle(M * 16, "rhs")  # one P^T row: M bf16
 
     def swizzled(shape, swizzle):
         transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
         return plgpu.SMEM(shape, jnp.bfloat16, transforms=transforms)
 
     return [
-        swizzled((BLOCKS, m, DB), 128),
+        swizzled((BLOCKS, M, DB), 128),
         plgpu.SMEM((stages, T, WORDS), jnp.uint16),
         plgpu.SMEM((stages, T), jnp.int32),
         plgpu.SMEM((stages, CHUNKS, T), jnp.float32),
-        swizzled((CHUNKS, T, m), pv_swizzle),
+        swizzled((CHUNKS, T, M), pv_swizzle),
         swizzled((2 * CHUNKS, T, DB), pv_swizzle),  # wgmma wants both operands' swizzles equal
-        plgpu.SMEM((CONSUMERS, T, m), jnp.float32),  # each consumer's partial scores
+        plgpu.SMEM((CONSUMERS, T, M), jnp.float32),  # each consumer's partial scores
         plgpu.SMEM((2 * DB,), jnp.float32),  # consumer 0's running max, then its softmax sum
-        plgpu.SMEM((CONSUMERS, DB, m), jnp.float32),
+        plgpu.SMEM((CONSUMERS, DB, M), jnp.float32),
         plgpu.SMEM((64,), jnp.float32),
         plgpu.SMEM((WORK,), jnp.int32),
         plgpu.SMEM((64,), jnp.float32),
@@ -600,18 +598,17 @@ def _sparse_mla_mosaic(q, kv, idx, indptr, sm_scale):
         return no_keys(n_q, h)
     if rows >= 2**31:
         raise NotImplementedError("the Mosaic GPU sparse_mla reads int32 record indices")
-    m = M
-    hbs = -(-h // m)
+    hbs = -(-h // M)
     splits = choose_splits(n_q * hbs, nnz / T / n_q)
     work = _work(idx, indptr, splits)
     scale = jnp.full((64,), jnp.float32(sm_scale) * LOG2E, jnp.float32)
     o_t, lse2 = plgpu.kernel(
-        functools.partial(_kernel, m=m),
+        _kernel,
         out_type=(
-            jax.ShapeDtypeStruct((n_q, splits, hbs, LATENT_DIM, m), jnp.float32),
+            jax.ShapeDtypeStruct((n_q, splits, hbs, LATENT_DIM, M), jnp.float32),
             jax.ShapeDtypeStruct((n_q, splits, hbs, 64), jnp.float32),
         ),
-        scratch_types=_scratch(m),
+        scratch_types=_scratch(),
         grid=(n_q * hbs, splits),  # a row's head blocks side by side: their gathers share L2
         grid_names=("gh", "split"),
         num_threads=CONSUMERS + 1,
@@ -621,9 +618,9 @@ def _sparse_mla_mosaic(q, kv, idx, indptr, sm_scale):
             lowering_semantics=plgpu.LoweringSemantics.Lane,
             unsafe_no_auto_barriers=True,  # the kernel places its own (see _kernel)
         ),
-    )(records, _permute_q(q, m, hbs), idx, work, scale, jnp.zeros((RECORD_BYTES,), jnp.uint8))
-    o = _unpermute_out(o_t.swapaxes(-1, -2).reshape(n_q, splits, hbs * m, LATENT_DIM)[:, :, :h])
-    lse = lse2[..., :m].reshape(n_q, splits, hbs * m)[:, :, :h] / LOG2E
+    )(records, _permute_q(q, M, hbs), idx, work, scale, jnp.zeros((RECORD_BYTES,), jnp.uint8))
+    o = _unpermute_out(o_t.swapaxes(-1, -2).reshape(n_q, splits, hbs * M, LATENT_DIM)[:, :, :h])
+    lse = lse2[..., :M].reshape(n_q, splits, hbs * M)[:, :, :h] / LOG2E
     if splits > 1:  # one split is already normalized (0 and -inf for a row without keys)
         o, lse = merge_partials(o, lse)
     else:
