@@ -182,10 +182,7 @@ def gather_words(ref, rows, start: int, count: int, valid):
     assert start % 4 == 0, start
     if ref.dtype == jnp.uint32:
         return gather_rows(ref, rows, start // 4, count, valid)
-    b = gather_rows(ref, rows, start, 4 * count, valid).astype(jnp.uint32)
-    b = b.reshape(b.shape[0], count, 4)
-    shift = 8 * jax.lax.broadcasted_iota(jnp.uint32, (1, 1, 4), 2)
-    return jnp.sum(b << shift, axis=2, dtype=jnp.uint32)  # disjoint bits: the sum is the or
+    return _words_by_conversion(gather_rows(ref, rows, start, 4 * count, valid))
 
 
 def _interleave(lo, hi):
