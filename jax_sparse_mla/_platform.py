@@ -66,12 +66,26 @@ def cuda_is_sm90() -> bool:
     return caps is None or all(9.0 <= c < 10.0 for c in caps)
 
 
-def hopper_or(kernel_fn: Callable, fallback: Callable) -> Callable:
-    """The CUDA branch of ``implementation=None``: ``kernel_fn`` on Hopper or newer GPUs,
-    ``fallback`` (the exact "xla" implementation) on older ones, decided at trace time."""
+def hopper_choice() -> str:
+    """The CUDA kernels ``implementation=None`` runs on Hopper or newer GPUs, where an op has
+    both: "mosaic" on Hopper itself (faster than "pallas" at every benchmarked shape on the
+    H200: README, "NVIDIA H200"), "pallas" on later GPUs, which lack the sm_90a instructions
+    the Mosaic GPU kernels use."""
+    return "mosaic" if cuda_is_sm90() else "pallas"
+
+
+def hopper_or(pallas_fn: Callable, fallback: Callable, mosaic_fn: Callable | None = None):
+    """The CUDA branch of ``implementation=None``: on Hopper or newer GPUs ``mosaic_fn`` where
+    ``hopper_choice`` says "mosaic" and the op has one, else ``pallas_fn``; ``fallback`` (the
+    exact "xla" implementation) on older GPUs. Decided at trace time."""
 
     def run(*args, **options):
-        fn = kernel_fn if cuda_is_hopper() else fallback
+        if not cuda_is_hopper():
+            fn = fallback
+        elif mosaic_fn is not None and hopper_choice() == "mosaic":
+            fn = mosaic_fn
+        else:
+            fn = pallas_fn
         return fn(*args, **options)
 
     return run

@@ -17,7 +17,7 @@ from jax_sparse_mla._checks import (
     run_data_checks,
 )
 from jax_sparse_mla._dispatch import resolve_implementation, with_exact_gradient
-from jax_sparse_mla._platform import by_platform, cuda_is_sm90, gfx950_or, hopper_or
+from jax_sparse_mla._platform import by_platform, gfx950_or, hopper_or
 from jax_sparse_mla.emulation.sparse_mla import sparse_mla_gfx950_emulation
 from jax_sparse_mla.ffi.calls import sparse_mla_flydsl, sparse_mla_unsupported
 from jax_sparse_mla.formats import KV_DIM, MAX_KERNEL_SCALE, RECORD_BYTES, SCALES_OFFSET
@@ -41,22 +41,10 @@ def _lse_if(fn):
 _XLA = _lse_if(sparse_mla_xla)
 
 
-def hopper_choice() -> str:
-    """The CUDA kernel ``implementation=None`` runs on Hopper or newer GPUs: "mosaic" on Hopper
-    itself (faster than "pallas" on every benchmark shape on the H200, 1.06x to 2.45x: README,
-    "NVIDIA H200"), "pallas" on later GPUs, which lack the sm_90a instructions it uses."""
-    return "mosaic" if cuda_is_sm90() else "pallas"
-
-
-def _hopper_kernel(q, kv, idx, indptr, sm_scale):
-    kernel = {"mosaic": sparse_mla_mosaic, "pallas": sparse_mla_kernel}[hopper_choice()]
-    return kernel(q, kv, idx, indptr, sm_scale)
-
-
 # implementation name -> fn(q, kv, idx, indptr, sm_scale, *, return_lse) -> (out bf16, lse f32 or
 # None); None is the choice of implementation=None: the FlyDSL kernel on gfx950 (ROCm), the
-# Mosaic GPU kernel on Hopper GPUs, Pallas on later ones (hopper_choice), "xla" elsewhere. Every
-# gradient is the "xla" path's.
+# Mosaic GPU kernel on Hopper GPUs, Pallas on later ones (_platform.hopper_choice), "xla"
+# elsewhere. Every gradient is the "xla" path's.
 _IMPLEMENTATIONS = {
     "xla": _XLA,
     **{
@@ -68,7 +56,9 @@ _IMPLEMENTATIONS = {
             "flydsl": sparse_mla_flydsl,
             None: by_platform(
                 default=_XLA,
-                cuda=hopper_or(_lse_if(_hopper_kernel), _XLA),
+                cuda=hopper_or(
+                    _lse_if(sparse_mla_kernel), _XLA, mosaic_fn=_lse_if(sparse_mla_mosaic)
+                ),
                 rocm=gfx950_or("sparse_mla", sparse_mla_flydsl, _XLA, sparse_mla_unsupported),
             ),
         }.items()
@@ -115,7 +105,7 @@ def sparse_mla(
         ``192 ** -0.5 * 1.3689 ** 2 ≈ 0.1352``).
       return_lse: also return the natural-log LSE of the scaled scores.
       implementation: None (the FlyDSL kernel on gfx950 ROCm GPUs; the Mosaic GPU kernel on
-        Hopper GPUs, the Pallas one on later NVIDIA GPUs (``hopper_choice``); "xla"
+        Hopper GPUs, the Pallas one on later NVIDIA GPUs (``_platform.hopper_choice``); "xla"
         elsewhere), "xla" (exact, every platform), "mosaic" (the Mosaic GPU
         kernel: CUDA Hopper only, no interpret mode), "pallas" (the Pallas Triton kernel:
         compiled on CUDA, Pallas interpret mode elsewhere), "flydsl" (the gfx950 kernel, an XLA

@@ -5,7 +5,7 @@ test_properties, test_memory, test_causal, test_gradients, test_indptr, test_inp
 parametrized per op over ``available(op)``: the names of that op's implementation table that
 run here. Those are the exact "xla" path, the gfx950 emulation, "pallas" (compiled on a CUDA GPU,
 Pallas interpret mode elsewhere), on a Hopper NVIDIA GPU (sm_90) only "mosaic" (the Mosaic GPU
-kernel: no interpret mode; sparse_mla only so far) and, on an MI355 (gfx950) only, the
+kernels: no interpret mode; every op but ultraquant_decode) and, on an MI355 (gfx950) only, the
 "flydsl" kernels. A test of one op is parametrized with that op's decorator (``each_sparse``,
 ``each_decode``, ``each_partials``, ``each_merge``, ``each_ultraquant``), a test that runs
 several ops with ``each_of(*ops)`` (the names every one of them has). Each implementation is
@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
-from jax_sparse_mla._platform import cuda_is_hopper, cuda_is_sm90, gpu_platforms
+from jax_sparse_mla._platform import cuda_is_hopper, cuda_is_sm90, gpu_platforms, hopper_choice
 from jax_sparse_mla.ffi.calls import default_num_partitions, default_num_splits
 from tests import cases as C
 from tests import oracle as O
@@ -98,17 +98,16 @@ def common(*ops: str) -> tuple[str, ...]:
 
 @functools.cache
 def default(op: str) -> str:
-    """What ``implementation=None`` runs here for ``op``: "flydsl" on an MI355; on a Hopper
-    NVIDIA GPU "mosaic" for sparse_mla (``sparse_mla.hopper_choice``), "pallas" for the other
-    ops; "pallas" on later NVIDIA GPUs; "xla" elsewhere."""
-    implementations(op)  # a known op
+    """What ``implementation=None`` runs here for ``op``: "flydsl" on an MI355; on a Hopper or
+    later NVIDIA GPU ``hopper_choice()`` ("mosaic" on a Hopper, "pallas" past it) for the ops
+    with a Mosaic GPU kernel (mla_decode's for requests of at most 16 rows, qlen * H, as every
+    None case of the suites has), else "pallas"; "xla" elsewhere."""
+    names = implementations(op)
     if has_gfx950():
         return "flydsl"
     if not (has_cuda() and cuda_is_hopper()):
         return "xla"
-    if op == "sparse_mla":
-        return importlib.import_module(OP_MODULES[op]).hopper_choice()
-    return "pallas"
+    return hopper_choice() if "mosaic" in names and op != "merge_attn_states" else "pallas"
 
 
 def interpreted(impl: str) -> bool:

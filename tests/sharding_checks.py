@@ -347,7 +347,7 @@ def check_gradients(impl: str) -> None:
 
 def check_lowering() -> None:
     """ "flydsl" and None lowered for ROCm, "pallas", "mosaic" and None (the Mosaic kernel on a
-    Hopper target: sparse_mla.hopper_choice) for CUDA: the custom calls (no gathering of q or
+    Hopper target: _platform.hopper_choice) for CUDA: the custom calls (no gathering of q or
     the cache: no collective at all in the TP layout)."""
     m = mesh(2, 4)
     case = C.sparse_case(1, n_q=4, h=8, n_rec=40)

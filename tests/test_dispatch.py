@@ -5,66 +5,51 @@ each op only the implementations its table has and that run on this machine."""
 import importlib
 
 import jax
-import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
+from jax_sparse_mla import _platform
 from tests import cases as C
 from tests import impls
-
-sparse_mla_module = importlib.import_module("jax_sparse_mla.sparse_mla")  # the op's module
 
 # ---------------------------------------------------------------------------------------------
 # "mosaic" in the ops
 # ---------------------------------------------------------------------------------------------
 
 
-def _decode_case():
-    return C.decode_case(40, seq_lens=(3, 9), h=2, qlen=1, n_nan=0)
-
-
-def _without_mosaic():
-    """op -> a call of it with implementation="mosaic"."""
-    d = _decode_case()
+def _mosaic_calls():
+    """op -> a call of it with implementation="mosaic" (small cases)."""
+    d = C.decode_case(40, seq_lens=(3, 9), h=2, qlen=1, n_nan=0)
+    sp = C.sparse_case(42, n_q=2, h=2, n_rec=8)
     uq = C.uq_case(41, seq_lens=(5, 20), hk=1, g=2)
-    o_parts = np.zeros((2, 2, 2, 512), np.float32)
-    lse_parts = np.zeros((2, 2, 2), np.float32)
     return {
+        "sparse_mla": lambda: jsm.sparse_mla(*sp.args(), return_lse=True, implementation="mosaic"),
         "mla_decode": lambda: jsm.mla_decode(*d.args(), implementation="mosaic"),
         "mla_decode_partials": lambda: jsm.mla_decode_partials(
             *d.args(), num_splits=2, implementation="mosaic"
-        ),
-        "merge_attn_states": lambda: jsm.merge_attn_states(
-            o_parts, lse_parts, implementation="mosaic"
         ),
         "ultraquant_decode": lambda: jsm.ultraquant_decode(*uq.args(), implementation="mosaic"),
     }
 
 
-@pytest.mark.parametrize(
-    "op", ["mla_decode", "mla_decode_partials", "merge_attn_states", "ultraquant_decode"]
-)
 @pytest.mark.parametrize("jit", [False, True])
-def test_ops_without_mosaic_refuse_it_by_name(op, jit):
-    call = _without_mosaic()[op]
-    with pytest.raises(NotImplementedError, match=rf"{op}: .*has no 'mosaic' implementation"):
+def test_ultraquant_refuses_mosaic_by_name(jit):
+    call = _mosaic_calls()["ultraquant_decode"]
+    with pytest.raises(NotImplementedError, match=r"ultraquant_decode: .*has no 'mosaic'"):
         jax.jit(call)() if jit else call()
 
 
 @pytest.mark.skipif(impls.has_cuda(), reason="off CUDA only: on a CUDA GPU 'mosaic' runs")
+@pytest.mark.parametrize("op", ["sparse_mla", "mla_decode", "mla_decode_partials"])
 @pytest.mark.parametrize("jit", [False, True])
-def test_sparse_mla_mosaic_off_cuda_needs_an_nvidia_hopper_gpu(jit):
+def test_mosaic_off_cuda_needs_an_nvidia_hopper_gpu(op, jit):
     """No interpret mode: off CUDA the call fails when run (a host callback's error, which XLA
     wraps in a JaxRuntimeError), saying that it needs an NVIDIA Hopper GPU."""
-    case = C.sparse_case(42, n_q=2, h=2, n_rec=8)
-
-    def call(*args):
-        return jsm.sparse_mla(*args, return_lse=True, implementation="mosaic")
-
+    call = _mosaic_calls()[op]
     with pytest.raises(
         (NotImplementedError, jax.errors.JaxRuntimeError), match="NVIDIA Hopper"
     ) as e:
-        jax.block_until_ready((jax.jit(call) if jit else call)(*case.args()))
+        jax.block_until_ready(jax.jit(call)() if jit else call())
     assert "mosaic" in str(e.value)
 
 
@@ -73,7 +58,7 @@ def test_mosaic_is_a_known_name():
     from jax_sparse_mla._dispatch import IMPLEMENTATIONS
 
     assert "mosaic" in IMPLEMENTATIONS
-    d = _decode_case()
+    d = C.decode_case(40, seq_lens=(3, 9), h=2, qlen=1, n_nan=0)
     with pytest.raises(ValueError, match="implementation must be None or one of"):
         jsm.mla_decode(*d.args(), implementation="mosaics")
 
@@ -83,7 +68,8 @@ def test_mosaic_is_a_known_name():
 # ---------------------------------------------------------------------------------------------
 
 OPS = tuple(impls.OP_MODULES)
-WITHOUT_MOSAIC = ("mla_decode", "mla_decode_partials", "merge_attn_states", "ultraquant_decode")
+WITH_MOSAIC = ("sparse_mla", "mla_decode", "mla_decode_partials", "merge_attn_states")
+WITHOUT_MOSAIC = ("ultraquant_decode",)
 
 
 def _clear():
@@ -93,8 +79,8 @@ def _clear():
 
 @pytest.fixture
 def machine(monkeypatch):
-    """fake(cuda, hopper, gfx950, sm90): impls' view of this machine (and sparse_mla's own test
-    for sm_90, which None's Hopper choice reads), caches cleared (and again afterwards, so the
+    """fake(cuda, hopper, gfx950, sm90): impls' view of this machine (and ``_platform``'s own
+    test for sm_90, which None's Hopper choice reads), caches cleared (and again afterwards, so the
     suites see the real machine). ``sm90`` (a Hopper, not a later GPU) follows ``hopper``
     unless given."""
 
@@ -103,7 +89,7 @@ def machine(monkeypatch):
         monkeypatch.setattr(impls, "has_cuda", lambda: cuda)
         monkeypatch.setattr(impls, "cuda_is_hopper", lambda: hopper)
         monkeypatch.setattr(impls, "cuda_is_sm90", lambda: sm90)
-        monkeypatch.setattr(sparse_mla_module, "cuda_is_sm90", lambda: sm90)
+        monkeypatch.setattr(_platform, "cuda_is_sm90", lambda: sm90)
         monkeypatch.setattr(impls, "has_gfx950", lambda: gfx950)
         _clear()
 
@@ -122,22 +108,25 @@ def test_available_per_op_is_the_ops_table(op):
 def test_mosaic_only_on_a_hopper_gpu():
     """This machine: "mosaic" is listed exactly when a Hopper CUDA GPU (sm_90) is here."""
     assert ("mosaic" in impls.available()) == (impls.has_cuda() and impls.cuda_is_sm90())
-    assert ("mosaic" in impls.available("sparse_mla")) == ("mosaic" in impls.available())
+    for op in WITH_MOSAIC:
+        assert ("mosaic" in impls.available(op)) == ("mosaic" in impls.available())
     for op in WITHOUT_MOSAIC:
         assert "mosaic" not in impls.available(op)
 
 
-def test_faked_hopper_lists_mosaic_for_sparse_mla_only(machine):
+def test_faked_hopper_lists_mosaic_for_the_ops_that_have_it(machine):
     machine(cuda=True, hopper=True)
-    assert impls.available() == ("xla", "gfx950_emulation", "pallas", "mosaic")
-    assert impls.available("sparse_mla") == ("xla", "gfx950_emulation", "pallas", "mosaic")
+    with_mosaic = ("xla", "gfx950_emulation", "pallas", "mosaic")
+    assert impls.available() == with_mosaic
+    for op in WITH_MOSAIC:
+        assert impls.available(op) == with_mosaic, op
+        # _platform.hopper_choice; None merges partials with the Pallas kernel
+        assert impls.default(op) == ("pallas" if op == "merge_attn_states" else "mosaic"), op
     for op in WITHOUT_MOSAIC:
         assert impls.available(op) == ("xla", "gfx950_emulation", "pallas"), op
-    assert impls.common("sparse_mla", "mla_decode") == ("xla", "gfx950_emulation", "pallas")
-    assert impls.common("sparse_mla") == impls.available("sparse_mla")
-    assert impls.default("sparse_mla") == "mosaic"  # sparse_mla.hopper_choice
-    for op in WITHOUT_MOSAIC:
         assert impls.default(op) == "pallas", op
+    assert impls.common("sparse_mla", "mla_decode") == with_mosaic
+    assert impls.common("sparse_mla", "ultraquant_decode") == ("xla", "gfx950_emulation", "pallas")
 
 
 def test_faked_later_gpu_runs_pallas_not_mosaic(machine):

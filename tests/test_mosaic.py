@@ -1,14 +1,14 @@
-"""The Mosaic GPU sparse_mla kernel on any machine: its layout helpers against NumPy, and its
-CUDA lowering (lowered here without a GPU).
+"""The Mosaic GPU kernels (sparse_mla, mla_decode) on any machine: their layout helpers
+against NumPy, and their CUDA lowering (lowered here without a GPU).
 
-Its numerics run in the shared suites (tests/test_sparse_mla.py and the others, through
-tests/impls.py) on a Hopper GPU only: the kernel is inline PTX and wgmma and has no interpret
-mode.
+Their numerics run in the shared suites (tests/test_sparse_mla.py, test_mla_decode.py and the
+others, through tests/impls.py) on a Hopper GPU only: the kernels are inline PTX and wgmma and
+have no interpret mode.
 """
 
 from __future__ import annotations
 
-import importlib
+import functools
 import re
 
 import jax
@@ -17,53 +17,86 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
+from jax_sparse_mla import _platform
+from jax_sparse_mla.kernels.mosaic import _pipeline as P
+from jax_sparse_mla.kernels.mosaic import mla_decode as D
 from jax_sparse_mla.kernels.mosaic import sparse_mla as K
 
-sparse_mla_module = importlib.import_module("jax_sparse_mla.sparse_mla")  # the op's module
+FORMATS = {"sparse_mla": K.FORMAT, "mla_decode": D.row_format(1), "causal": D.row_format(3)}
 
 
-def test_permute_q_blocks_hold_even_and_odd_dims():
-    """Block 2c + p, column j holds latent dim 128c + 2j + p; block 8 is the rope; heads are
-    padded with zeros to hbs * m."""
-    rng = np.random.default_rng(0)
-    q = rng.normal(size=(3, 20, 576)).astype(np.float32)
-    blocks = np.asarray(K._permute_q(jnp.asarray(q), 16, 2))
-    assert blocks.shape == (3, 2, K.BLOCKS, 16, K.DB)
-    heads = blocks.transpose(0, 1, 3, 2, 4).reshape(3, 32, K.BLOCKS, K.DB)
-    for c in range(K.CHUNKS):
+def _latent_columns(lat_blocks):
+    """[G, hbs, 8, M, 64] -> [G, hbs * M, 8, 64]: each row's blocks."""
+    g, hbs = lat_blocks.shape[:2]
+    return lat_blocks.transpose(0, 1, 3, 2, 4).reshape(g, hbs * P.M, P.LATENT_BLOCKS, P.DB)
+
+
+def _check_latent(blocks, rows):
+    """Block 2c + p, column j of a row holds latent dim 128c + 2j + p; padding rows are 0."""
+    r = rows.shape[1]
+    for c in range(P.CHUNKS):
         for p in range(2):
             np.testing.assert_array_equal(
-                heads[:, :20, 2 * c + p], q[:, :, 128 * c + p : 128 * c + 128 : 2]
+                blocks[:, :r, 2 * c + p], rows[:, :, 128 * c + p : 128 * c + 128 : 2]
             )
-    np.testing.assert_array_equal(heads[:, :20, -1], q[:, :, 512:])
-    assert not heads[:, 20:].any()
+    assert not blocks[:, r:].any()
+
+
+def test_sparse_permute_q_blocks_hold_even_and_odd_dims_then_the_rope():
+    rng = np.random.default_rng(0)
+    q = rng.normal(size=(3, 20, 576)).astype(np.float32)
+    lat, rope = (np.asarray(x) for x in K.permute_q(jnp.asarray(q), 2))
+    assert lat.shape == (3, 2, P.LATENT_BLOCKS, 16, P.DB) and rope.shape == (3, 2, 1, 16, 64)
+    _check_latent(_latent_columns(lat), q)
+    rope = rope.reshape(3, 32, 64)
+    np.testing.assert_array_equal(rope[:, :20], q[:, :, 512:])
+    assert not rope[:, 20:].any()
+
+
+def test_decode_permute_q_rows_are_position_major_and_the_rope_is_two_parity_blocks():
+    """Rows r = i * H + h of a request; rope block p, column j holds rope dim 2j + p (the
+    bytes of the rope's uint16 word j)."""
+    rng = np.random.default_rng(1)
+    b, qlen, h = 2, 3, 7
+    q = rng.normal(size=(b * qlen, h, 576)).astype(np.float32)
+    lat, rope = (np.asarray(x) for x in D.permute_q(jnp.asarray(q), b, qlen, 2))
+    assert lat.shape == (b, 2, P.LATENT_BLOCKS, 16, P.DB) and rope.shape == (b, 2, 2, 16, 32)
+    rows = q.reshape(b, qlen * h, 576)
+    _check_latent(_latent_columns(lat), rows)
+    rope = rope.transpose(0, 1, 3, 2, 4).reshape(b, 32, 2, 32)
+    for p in range(2):
+        np.testing.assert_array_equal(rope[:, : qlen * h, p], rows[:, :, 512 + p :: 2])
+    assert not rope[:, qlen * h :].any()
 
 
 def test_unpermute_out_inverts_the_block_order():
     o = np.arange(2 * 512, dtype=np.float32).reshape(2, 512)
     permuted = np.concatenate(
-        [o[:, 128 * c + p : 128 * c + 128 : 2] for c in range(K.CHUNKS) for p in range(2)], axis=1
+        [o[:, 128 * c + p : 128 * c + 128 : 2] for c in range(P.CHUNKS) for p in range(2)], axis=1
     )
-    np.testing.assert_array_equal(np.asarray(K._unpermute_out(jnp.asarray(permuted))), o)
+    np.testing.assert_array_equal(np.asarray(P.unpermute_out(jnp.asarray(permuted))), o)
 
 
+@pytest.mark.parametrize("align", [P.T, 128])
 @pytest.mark.parametrize("splits", [1, 3, 8])
-def test_work_covers_each_row_once_in_tile_multiples(splits):
-    """Each row's splits tile [start, start + length) in order, cut at multiples of T, with
-    indptr clipped to [0, nnz] (a decreasing entry makes an empty row)."""
+def test_work_covers_each_list_once_in_aligned_splits(splits, align):
+    """Each list's splits tile [start, start + length) in order, cut at multiples of
+    ``align``, with indptr clipped to [0, nnz] (a decreasing entry makes an empty list); each
+    entry also carries its split's start within the list and the list's length."""
     nnz = 1000
     indptr = np.array([0, 0, 130, 129, 700, 2000, 900], np.int32)
-    work = np.asarray(K._work(jnp.zeros(nnz, jnp.int32), jnp.asarray(indptr), splits))
-    assert work.shape == (6, splits, K.WORK) and not work[..., 2:].any()
+    work = np.asarray(P.work(jnp.asarray(indptr), nnz, splits, align))
+    assert work.shape == (6, splits, P.WORK) and not work[..., 4:].any()
     for r in range(6):
         start = min(max(indptr[r], 0), nnz)
         end = min(max(indptr[r + 1], start), nnz)
         pos = start
         for s in range(splits):
-            first, length = work[r, s, :2]
+            first, length, lo, total = work[r, s, :4]
+            assert total == end - start and lo == pos - start
             assert length >= 0 and (length == 0 or first == pos)
             if s < splits - 1 and work[r, s + 1, 1]:
-                assert length % K.T == 0
+                assert length % align == 0
             pos += length
         assert pos == end, (r, work[r])
 
@@ -72,17 +105,38 @@ def test_register_split_fits_the_launch_allocation():
     """``setmaxnreg`` takes multiples of 8 in [24, 256], and the warpgroups together may hold
     no more than the CTA got at launch (ptxas: 65536 over ``.maxntid`` threads, rounded down
     to 8 each)."""
-    threads = 128 * (K.CONSUMERS + 1)
-    for regs in (K.consumer_registers(), K.PRODUCER_REGISTERS):
+    threads = 128 * (P.CONSUMERS + 1)
+    for regs in (P.consumer_registers(), P.PRODUCER_REGISTERS):
         assert regs % 8 == 0 and 24 <= regs <= 256
-    held = 128 * (K.CONSUMERS * K.consumer_registers() + K.PRODUCER_REGISTERS)
+    held = 128 * (P.CONSUMERS * P.consumer_registers() + P.PRODUCER_REGISTERS)
     assert held <= 65536 // threads // 8 * 8 * threads
 
 
-def test_stages_fit_shared_memory():
-    """Two record stages fit beside the rest: one alone would leave the producer no room to
-    run ahead of the consumers."""
-    assert 2 <= K.stages_for() <= K.MAX_STAGES
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_stages_fit_shared_memory(name):
+    """Two row stages fit beside the rest: one alone would leave the producer no room to run
+    ahead of the consumers."""
+    assert 2 <= P.stages_for(FORMATS[name]) <= P.MAX_STAGES
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_staged_rows_are_bank_conflict_free(name):
+    """The consumers read 16-byte slices of 8 consecutive staged rows at one column: with a
+    pitch of 4 mod 8 words (and 16-byte aligned) they fall on 32 distinct banks."""
+    fmt = FORMATS[name]
+    assert fmt.pitch % 16 == 0 and fmt.pitch >= fmt.row_bytes and fmt.row_bytes % 16 == 0
+    banks = {(row * fmt.pitch // 4 + word) % 32 for row in range(8) for word in range(4)}
+    assert len(banks) == 32
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_gather_ptx_copies_scales_only_for_fp8_ds_mla(name):
+    fmt = FORMATS[name]
+    text = P.gather_ptx(fmt, 1000)
+    assert f"mul.wide.u32 dst, lane, {fmt.pitch};" in text
+    assert f"[src], {fmt.row_bytes}, [$3]" in text
+    assert ("cp.async.mbarrier.arrive" in text) == (fmt.scales_offset is not None)
+    assert "mul.wide.s32 src, k0" in text  # 64-bit byte offsets: caches past 4 GiB
 
 
 def _lowered_text(n_q, h, rows, topk, implementation="mosaic"):
@@ -101,7 +155,7 @@ def _lowered_text(n_q, h, rows, topk, implementation="mosaic"):
 def test_none_lowers_to_mosaic_on_hopper_and_to_pallas_past_it(monkeypatch, sm90, n_q, h):
     """implementation=None for CUDA, whatever q's shape: the Mosaic GPU kernel on a Hopper GPU,
     the Pallas (Triton) one on a later GPU, which has no sm_90a wgmma."""
-    monkeypatch.setattr(sparse_mla_module, "cuda_is_sm90", lambda: sm90)
+    monkeypatch.setattr(_platform, "cuda_is_sm90", lambda: sm90)
     text = _lowered_text(n_q, h, 500, 64, implementation=None)
     assert ("@mosaic_gpu" in text) == sm90
     assert ("__gpu$xla.gpu.triton" in text) == (not sm90)
@@ -124,7 +178,6 @@ def test_cuda_lowering_of_a_cache_over_4_gib_has_no_copy_of_it():
     text = _lowered_text(2, 16, rows, 64)
     calls = re.findall(r"stablehlo\.custom_call @mosaic_gpu\w*\(([^)]*)\)", text)
     assert calls and calls[0].split(",")[0].strip() == "%arg1"
-    assert "mul.wide.s32" in K._GATHER_PTX
 
 
 def test_more_than_2_31_records_is_refused_by_name():
@@ -153,6 +206,68 @@ def test_vmap_runs_the_kernel_once_per_batch_element(implementation):
     fn = jax.vmap(
         lambda q, kv, i, p: jsm.sparse_mla(q, kv, i, p, implementation=implementation),
         (0, None, 0, 0),
+    )
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    assert "stablehlo.while" in text
+
+
+_DECODE_OPS = {
+    "mla_decode": functools.partial(jsm.mla_decode, return_lse=True),
+    "mla_decode_partials": functools.partial(jsm.mla_decode_partials, num_splits=3),
+}
+
+
+def _decode_lowered_text(op, b, qlen, h, tokens, n, implementation="mosaic", dtype=jnp.uint8):
+    args = (
+        jax.ShapeDtypeStruct((b * qlen, h, 576), jnp.bfloat16),
+        jax.ShapeDtypeStruct((tokens, 576), dtype),
+        jax.ShapeDtypeStruct((n,), jnp.int32),
+        jax.ShapeDtypeStruct((b + 1,), jnp.int32),
+    )
+    fn = jax.jit(functools.partial(_DECODE_OPS[op], qlen=qlen, implementation=implementation))
+    return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("sm90", [True, False])
+@pytest.mark.parametrize("qlen,h", [(1, 16), (2, 8), (2, 12), (1, 128)])
+@pytest.mark.parametrize("op", sorted(_DECODE_OPS))
+def test_decode_none_lowers_to_mosaic_for_one_row_block_on_hopper(monkeypatch, sm90, op, qlen, h):
+    """implementation=None for CUDA: the Mosaic GPU kernel on a Hopper GPU where a request's
+    rows (qlen * H) fit one CTA (16), the Pallas (Triton) one past that and on a later GPU."""
+    monkeypatch.setattr(_platform, "cuda_is_sm90", lambda: sm90)
+    text = _decode_lowered_text(op, 3, qlen, h, 4000, 900, implementation=None)
+    mosaic = sm90 and qlen * h <= 16
+    assert ("@mosaic_gpu" in text) == mosaic
+    assert ("__gpu$xla.gpu.triton" in text) == (not mosaic)
+
+
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("qlen,h", [(1, 16), (1, 128), (2, 12), (4, 3)])
+@pytest.mark.parametrize("op", sorted(_DECODE_OPS))
+def test_decode_cuda_lowering_hands_the_cache_itself_to_the_kernel(op, qlen, h, dtype):
+    """One Mosaic GPU call per op call, whose cache operand is the argument itself (a float8
+    cache through a same-width bitcast only), for rows of any count (qlen * H, 16 per CTA)."""
+    text = _decode_lowered_text(op, 3, qlen, h, 4000, 900, dtype=dtype)
+    calls = re.findall(r"stablehlo\.custom_call @mosaic_gpu\w*\(([^)]*)\)", text)
+    assert len(calls) == 1, text[:2000]
+    operand = calls[0].split(",")[0].strip()
+    if dtype == jnp.uint8:
+        assert operand == "%arg1"
+    else:
+        cast = rf"{operand} = stablehlo\.bitcast_convert %arg1 : \(tensor<4000x576xf8E4M3FN>\)"
+        assert re.search(cast + r" -> tensor<4000x576xui8>", text), text[:2000]
+
+
+def test_decode_vmap_runs_the_kernel_once_per_batch_element():
+    args = (
+        jax.ShapeDtypeStruct((2, 4, 16, 576), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1000, 576), jnp.uint8),
+        jax.ShapeDtypeStruct((2, 900), jnp.int32),
+        jax.ShapeDtypeStruct((2, 5), jnp.int32),
+    )
+    fn = jax.vmap(
+        lambda q, kv, i, p: jsm.mla_decode(q, kv, i, p, implementation="mosaic"), (0, None, 0, 0)
     )
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1

@@ -1,0 +1,157 @@
+"""Mosaic GPU (Hopper, sm_90a) ``mla_decode`` over the fp8 latent cache.
+
+The pipeline of ``_pipeline`` (a producer warpgroup gathering cache rows, two wgmma consumers)
+over 576-byte rows: 512 latent e4m3 codes, then 64 rope e4m3 codes, with one ``k_scale`` and
+one ``v_scale`` per call (the score scale and the output scale). One CTA owns ``M`` = 16 query
+rows of one request (row r = i * H + h: position i of ``qlen``, head h) and one split of the
+request's key positions. The rope is two 32-dim operand blocks (the even and the odd codes of
+its 32 uint16 words). Rows are staged in SMEM at a pitch of 592 bytes: at 576 (144 words, 0
+mod 8) the 16-byte slices of 8 rows at one column would share 4 banks.
+
+With ``qlen`` > 1 the rows are causal: row r sees key positions j <= length - qlen + i.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_sparse_mla._platform import by_platform
+from jax_sparse_mla.formats import KV_DIM, LATENT_DIM, ROPE_DIM
+from jax_sparse_mla.kernels.mosaic._pipeline import (
+    M,
+    RowFormat,
+    T,
+    attention,
+    choose_splits,
+    fail_off_cuda,
+    per_element_vmap,
+    permute_latent,
+    work,
+)
+from jax_sparse_mla.reference.attention import merge_partials
+from jax_sparse_mla.reference.mla_decode import SPLIT_ALIGN
+
+PITCH = 592  # SMEM bytes per staged row: 148 words, 4 mod 8 (bank-conflict free)
+MOSAIC_ROWS = M  # a request's rows (qlen * H) that one CTA holds: past it, CTAs share its keys
+
+
+def row_format(qlen: int) -> RowFormat:
+    return RowFormat(
+        row_bytes=KV_DIM,
+        pitch=PITCH,
+        scales_offset=None,
+        rope_word=LATENT_DIM // 2,
+        rope_fp8=True,
+        qlen=qlen,
+    )
+
+
+def permute_q(q, b: int, qlen: int, hbs: int):
+    """[B * qlen, H, 576] -> latent blocks [B, hbs, 8, M, 64] (``permute_latent``) and rope
+    blocks [B, hbs, 2, M, 32] (block p, column j: rope dim 2j + p); rows r = i * H + h of each
+    request, padded with zeros to hbs * M."""
+    h = q.shape[1]
+    rows = q.reshape(b, qlen * h, KV_DIM)
+    rope = jnp.pad(rows[..., LATENT_DIM:], ((0, 0), (0, hbs * M - qlen * h), (0, 0)))
+    rope = rope.reshape(b, hbs, M, ROPE_DIM // 2, 2).transpose(0, 1, 4, 2, 3)
+    return permute_latent(rows[..., :LATENT_DIM], hbs), rope
+
+
+def _partials(q, codes, kv_indices, kv_indptr, k_scale, v_scale, sm_scale, *, qlen, splits, align):
+    """-> o [B * qlen, S, H, 512] f32 and lse [B * qlen, S, H] f32 (natural log), each split
+    normalized by its own sum; splits cut at multiples of ``align``."""
+    rows, h, _ = q.shape
+    b = kv_indptr.shape[0] - 1
+    hbs = -(-(qlen * h) // M)
+    entries = work(kv_indptr, kv_indices.shape[0], splits, align)
+    positions = jnp.arange(hbs * M, dtype=jnp.int32) // h
+    o, lse = attention(
+        row_format(qlen),
+        codes,
+        kv_indices,
+        entries,
+        *permute_q(q, b, qlen, hbs),
+        sm_scale * k_scale,
+        v_scale,
+        positions,
+    )
+    o = o[:, :, : qlen * h].reshape(b, splits, qlen, h, LATENT_DIM).transpose(0, 2, 1, 3, 4)
+    lse = lse[:, :, : qlen * h].reshape(b, splits, qlen, h).transpose(0, 2, 1, 3)
+    return o.reshape(rows, splits, h, LATENT_DIM), lse.reshape(rows, splits, h)
+
+
+def _run(q, codes, kv_indices, kv_indptr, k_scale, v_scale, sm_scale, **static):
+    """``_partials`` with one kernel call per batch element under ``jax.vmap``."""
+    fn = per_element_vmap(functools.partial(_partials, **static))
+    scales = (jnp.asarray(x, jnp.float32) for x in (k_scale, v_scale, sm_scale))
+    return fn(q, codes, kv_indices, kv_indptr, *scales)
+
+
+def mla_decode_partials_mosaic(
+    q, codes, kv_indices, kv_indptr, *, qlen, k_scale, v_scale, sm_scale, num_splits
+):
+    """``mla_decode_partials`` (its split contract: whole 128-position blocks) on the Mosaic GPU
+    kernel. q [B * qlen, H, 576] bf16; codes [tokens, 576] uint8; kv_indices [n] and kv_indptr
+    [B + 1] int32. Returns o_parts [B * qlen, S, H, 512] f32 and lse_parts [B * qlen, S, H]."""
+    return _run(
+        q,
+        codes,
+        kv_indices,
+        kv_indptr,
+        k_scale,
+        v_scale,
+        sm_scale,
+        qlen=qlen,
+        splits=num_splits,
+        align=SPLIT_ALIGN,
+    )
+
+
+def mla_decode_mosaic(
+    q, codes, kv_indices, kv_indptr, *, qlen, k_scale, v_scale, sm_scale, num_splits=None
+):
+    """``mla_decode`` on the Mosaic GPU kernel; arguments as ``mla_decode_partials_mosaic``.
+    ``num_splits=None`` fills the GPU (``choose_splits``); splits are cut at tile multiples and
+    merged in float32. Returns out [B * qlen, H, 512] bf16 and lse [B * qlen, H] f32."""
+    b = kv_indptr.shape[0] - 1
+    if num_splits is None:
+        hbs = -(-(qlen * q.shape[1]) // M)
+        num_splits = choose_splits(b * hbs, kv_indices.shape[0] / T / b)
+    o, lse = _run(
+        q,
+        codes,
+        kv_indices,
+        kv_indptr,
+        k_scale,
+        v_scale,
+        sm_scale,
+        qlen=qlen,
+        splits=num_splits,
+        align=T,
+    )
+    if num_splits > 1:
+        o, lse = merge_partials(o, lse)
+    else:
+        o, lse = o[:, 0], lse[:, 0]
+    return o.astype(jnp.bfloat16), lse
+
+
+def _off_cuda(splits: bool):
+    def fail(q, *args, num_splits=None, **kw):
+        lead = (q.shape[0], num_splits, q.shape[1]) if splits else q.shape[:2]
+        shapes = (
+            jax.ShapeDtypeStruct((*lead, LATENT_DIM), jnp.float32 if splits else q.dtype),
+            jax.ShapeDtypeStruct(lead, jnp.float32),
+        )
+        return fail_off_cuda(shapes, q)
+
+    return fail
+
+
+mla_decode_partials_mosaic_cuda = by_platform(
+    default=_off_cuda(splits=True), cuda=mla_decode_partials_mosaic
+)
+mla_decode_mosaic_cuda = by_platform(default=_off_cuda(splits=False), cuda=mla_decode_mosaic)
