@@ -221,7 +221,8 @@ def mla_decode(
         128 nope + 64 rope; YaRN ``mscale = 0.1 * mscale_all_dim * ln(factor) + 1``, with the
         config's rope_scaling factor 40 and mscale_all_dim 1: ``≈ 0.1352``).
       num_splits: KV splits per request (static; default 1 for "xla", enough to fill the GPU
-        for "pallas"). Splits are combined in float32, so the answer does not depend on it.
+        for "pallas" and "mosaic"). Splits are combined in float32, so the answer does not
+        depend on it.
       return_lse: also return the natural-log LSE.
       implementation: None (the FlyDSL kernels on gfx950 ROCm GPUs; on Hopper GPUs the Mosaic
         GPU kernel where qlen * H <= 16, the Pallas one past that and on later NVIDIA GPUs;

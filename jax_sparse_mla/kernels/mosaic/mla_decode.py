@@ -83,36 +83,23 @@ def _partials(q, codes, kv_indices, kv_indptr, k_scale, v_scale, sm_scale, *, ql
     return o.reshape(rows, splits, h, LATENT_DIM), lse.reshape(rows, splits, h)
 
 
-def _run(q, codes, kv_indices, kv_indptr, k_scale, v_scale, sm_scale, **static):
+def _run(q, codes, kv_indices, kv_indptr, *, k_scale, v_scale, sm_scale, **static):
     """``_partials`` with one kernel call per batch element under ``jax.vmap``."""
     fn = per_element_vmap(functools.partial(_partials, **static))
     scales = (jnp.asarray(x, jnp.float32) for x in (k_scale, v_scale, sm_scale))
     return fn(q, codes, kv_indices, kv_indptr, *scales)
 
 
-def mla_decode_partials_mosaic(
-    q, codes, kv_indices, kv_indptr, *, qlen, k_scale, v_scale, sm_scale, num_splits
-):
+def mla_decode_partials_mosaic(q, codes, kv_indices, kv_indptr, *, qlen, num_splits, **scales):
     """``mla_decode_partials`` (its split contract: whole 128-position blocks) on the Mosaic GPU
     kernel. q [B * qlen, H, 576] bf16; codes [tokens, 576] uint8; kv_indices [n] and kv_indptr
-    [B + 1] int32. Returns o_parts [B * qlen, S, H, 512] f32 and lse_parts [B * qlen, S, H]."""
-    return _run(
-        q,
-        codes,
-        kv_indices,
-        kv_indptr,
-        k_scale,
-        v_scale,
-        sm_scale,
-        qlen=qlen,
-        splits=num_splits,
-        align=SPLIT_ALIGN,
-    )
+    [B + 1] int32; ``scales``: k_scale, v_scale, sm_scale (float or 0-d array). Returns
+    o_parts [B * qlen, S, H, 512] f32 and lse_parts [B * qlen, S, H] f32."""
+    args = (q, codes, kv_indices, kv_indptr)
+    return _run(*args, qlen=qlen, splits=num_splits, align=SPLIT_ALIGN, **scales)
 
 
-def mla_decode_mosaic(
-    q, codes, kv_indices, kv_indptr, *, qlen, k_scale, v_scale, sm_scale, num_splits=None
-):
+def mla_decode_mosaic(q, codes, kv_indices, kv_indptr, *, qlen, num_splits=None, **scales):
     """``mla_decode`` on the Mosaic GPU kernel; arguments as ``mla_decode_partials_mosaic``.
     ``num_splits=None`` fills the GPU (``choose_splits``); splits are cut at tile multiples and
     merged in float32. Returns out [B * qlen, H, 512] bf16 and lse [B * qlen, H] f32."""
@@ -120,18 +107,8 @@ def mla_decode_mosaic(
     if num_splits is None:
         hbs = -(-(qlen * q.shape[1]) // M)
         num_splits = choose_splits(b * hbs, kv_indices.shape[0] / T / b)
-    o, lse = _run(
-        q,
-        codes,
-        kv_indices,
-        kv_indptr,
-        k_scale,
-        v_scale,
-        sm_scale,
-        qlen=qlen,
-        splits=num_splits,
-        align=T,
-    )
+    args = (q, codes, kv_indices, kv_indptr)
+    o, lse = _run(*args, qlen=qlen, splits=num_splits, align=T, **scales)
     if num_splits > 1:
         o, lse = merge_partials(o, lse)
     else:
