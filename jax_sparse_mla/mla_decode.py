@@ -132,10 +132,10 @@ def _f32_parts(partials: Callable) -> Callable:
 
 def _mosaic_if_one_row_block(field: str) -> Callable:
     """None's Hopper kernel for the partials and the decode: the Mosaic GPU kernel where a
-    request's rows (qlen * H) fit one CTA's ``MOSAIC_ROWS``, the compiled Pallas kernel past
-    that. On the H200 (README, "NVIDIA H200") the Mosaic kernel is 2.0x to 2.8x faster at
-    12 rows (qlen 1) from 32 requests up, but at 24 rows (qlen 2) each request's keys are
-    read by two CTAs and Pallas is up to 9% faster at 8k-32k keys and 32-128 requests."""
+    request's rows (qlen * H) fit one CTA's ``MOSAIC_ROWS`` (32), the compiled Pallas kernel
+    past that (not measured yet). On the H200 (README, "NVIDIA H200") the Mosaic kernel is
+    2.0x to 2.8x faster at 12 rows (qlen 1) from 32 requests up, and with 32 rows per CTA
+    about 1.2x to 1.5x faster at 24 rows (qlen 2)."""
     mosaic, pallas = getattr(_MOSAIC_COMPILED, field), getattr(_COMPILED, field)
 
     def run(q, *args, qlen, **kw):
@@ -225,7 +225,7 @@ def mla_decode(
         depend on it.
       return_lse: also return the natural-log LSE.
       implementation: None (the FlyDSL kernels on gfx950 ROCm GPUs; on Hopper GPUs the Mosaic
-        GPU kernel where qlen * H <= 16, the Pallas one past that and on later NVIDIA GPUs;
+        GPU kernel where qlen * H <= 32, the Pallas one past that and on later NVIDIA GPUs;
         "xla" elsewhere), "xla", "mosaic"
         (the Mosaic GPU kernel: CUDA Hopper only, no interpret mode), "pallas" (compiled on
         CUDA, Pallas interpret mode elsewhere), "flydsl" or "gfx950_emulation" (the gfx950

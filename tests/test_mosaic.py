@@ -22,13 +22,29 @@ from jax_sparse_mla.kernels.mosaic import _pipeline as P
 from jax_sparse_mla.kernels.mosaic import mla_decode as D
 from jax_sparse_mla.kernels.mosaic import sparse_mla as K
 
-FORMATS = {"sparse_mla": K.FORMAT, "mla_decode": D.row_format(1), "causal": D.row_format(3)}
+FORMATS = {
+    "sparse_mla": K.FORMAT,
+    "mla_decode": D.row_format(1, 16),
+    "causal, 16 rows": D.row_format(2, 8),
+    "causal, 32 rows": D.row_format(2, 12),
+}
+
+
+def test_decode_takes_32_rows_per_cta_past_16():
+    assert [D.row_format(qlen, h).m for qlen, h in [(1, 16), (2, 8), (1, 17), (2, 12), (4, 8)]] == [
+        16,
+        16,
+        32,
+        32,
+        32,
+    ]
+    assert K.FORMAT.m == 16
 
 
 def _latent_columns(lat_blocks):
-    """[G, hbs, 8, M, 64] -> [G, hbs * M, 8, 64]: each row's blocks."""
-    g, hbs = lat_blocks.shape[:2]
-    return lat_blocks.transpose(0, 1, 3, 2, 4).reshape(g, hbs * P.M, P.LATENT_BLOCKS, P.DB)
+    """[G, hbs, 8, m, 64] -> [G, hbs * m, 8, 64]: each row's blocks."""
+    g, hbs, _, m, _ = lat_blocks.shape
+    return lat_blocks.transpose(0, 1, 3, 2, 4).reshape(g, hbs * m, P.LATENT_BLOCKS, P.DB)
 
 
 def _check_latent(blocks, rows):
@@ -53,14 +69,16 @@ def test_sparse_permute_q_blocks_hold_even_and_odd_dims_then_the_rope():
     assert not rope[:, 20:].any()
 
 
-def test_decode_permute_q_rows_are_position_major_and_the_rope_is_two_parity_blocks():
+@pytest.mark.parametrize("hbs,m", [(2, 16), (1, 32)])
+def test_decode_permute_q_rows_are_position_major_and_the_rope_is_two_parity_blocks(hbs, m):
     """Rows r = i * H + h of a request; rope block p, column j holds rope dim 2j + p (the
     bytes of the rope's uint16 word j)."""
     rng = np.random.default_rng(1)
     b, qlen, h = 2, 3, 7
     q = rng.normal(size=(b * qlen, h, 576)).astype(np.float32)
-    lat, rope = (np.asarray(x) for x in D.permute_q(jnp.asarray(q), b, qlen, 2))
-    assert lat.shape == (b, 2, P.LATENT_BLOCKS, 16, P.DB) and rope.shape == (b, 2, 2, 16, 32)
+    lat, rope = (np.asarray(x) for x in D.permute_q(jnp.asarray(q), b, qlen, hbs, m))
+    assert lat.shape == (b, hbs, P.LATENT_BLOCKS, m, P.DB)
+    assert rope.shape == (b, hbs, 2, m, 32)
     rows = q.reshape(b, qlen * h, 576)
     _check_latent(_latent_columns(lat), rows)
     rope = rope.transpose(0, 1, 3, 2, 4).reshape(b, 32, 2, 32)
@@ -230,14 +248,14 @@ def _decode_lowered_text(op, b, qlen, h, tokens, n, implementation="mosaic", dty
 
 
 @pytest.mark.parametrize("sm90", [True, False])
-@pytest.mark.parametrize("qlen,h", [(1, 16), (2, 8), (2, 12), (1, 128)])
+@pytest.mark.parametrize("qlen,h", [(1, 16), (2, 8), (2, 12), (2, 16), (4, 16), (1, 128)])
 @pytest.mark.parametrize("op", sorted(_DECODE_OPS))
 def test_decode_none_lowers_to_mosaic_for_one_row_block_on_hopper(monkeypatch, sm90, op, qlen, h):
     """implementation=None for CUDA: the Mosaic GPU kernel on a Hopper GPU where a request's
-    rows (qlen * H) fit one CTA (16), the Pallas (Triton) one past that and on a later GPU."""
+    rows (qlen * H) fit one CTA (32), the Pallas (Triton) one past that and on a later GPU."""
     monkeypatch.setattr(_platform, "cuda_is_sm90", lambda: sm90)
     text = _decode_lowered_text(op, 3, qlen, h, 4000, 900, implementation=None)
-    mosaic = sm90 and qlen * h <= 16
+    mosaic = sm90 and qlen * h <= 32
     assert ("@mosaic_gpu" in text) == mosaic
     assert ("__gpu$xla.gpu.triton" in text) == (not mosaic)
 
@@ -247,7 +265,8 @@ def test_decode_none_lowers_to_mosaic_for_one_row_block_on_hopper(monkeypatch, s
 @pytest.mark.parametrize("op", sorted(_DECODE_OPS))
 def test_decode_cuda_lowering_hands_the_cache_itself_to_the_kernel(op, qlen, h, dtype):
     """One Mosaic GPU call per op call, whose cache operand is the argument itself (a float8
-    cache through a same-width bitcast only), for rows of any count (qlen * H, 16 per CTA)."""
+    cache through a same-width bitcast only), for rows of any count (qlen * H, 16 or 32 per
+    CTA)."""
     text = _decode_lowered_text(op, 3, qlen, h, 4000, 900, dtype=dtype)
     calls = re.findall(r"stablehlo\.custom_call @mosaic_gpu\w*\(([^)]*)\)", text)
     assert len(calls) == 1, text[:2000]

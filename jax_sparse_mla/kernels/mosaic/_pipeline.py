@@ -1,9 +1,9 @@
 """The warp-specialized attention pipeline of the Mosaic GPU kernels (Hopper, sm_90a).
 
 Both Mosaic kernels (``sparse_mla`` over fp8_ds_mla records, ``mla_decode`` over the fp8 latent
-cache) run this one kernel body, told apart by a ``RowFormat``. One CTA owns ``M`` = 16 query
-rows (heads, or a request's (position, head) rows) and one split of a key list, walked in tiles
-of ``T`` = 64 keys. Three warpgroups:
+cache) run this one kernel body, told apart by a ``RowFormat``. One CTA owns ``m`` = 16 or 32
+query rows (heads, or a request's (position, head) rows) and one split of a key list, walked in
+tiles of ``T`` = 64 keys. Three warpgroups:
 
 * the producer gathers a tile into a ring of SMEM stages: lane j of its 128 threads takes index
   j of the tile and copies that key's cache row into SMEM row j with one ``cp.async.bulk``,
@@ -20,7 +20,9 @@ of ``T`` = 64 keys. Three warpgroups:
   and hands them to the others; each accumulates O^T [dims, rows] += V^T P^T for its 256 dims,
   V being the bf16 codes it stored to swizzled SMEM. Rows are wgmma's N dimension, so 16 rows
   cost 16 columns. One consumer alone left the SM idle between dependent instructions; two
-  halve each one's registers and share the one bf16 V tile SMEM holds.
+  halve each one's registers and share the one bf16 V tile SMEM holds. Rows are wgmma's N, so
+32 rows per CTA cost registers and SMEM (one fewer stage), not instructions: every CTA
+converts and multiplies each key's codes once for all its rows.
 
 Numerics: scales multiply partial scores and P (rounded to bf16 after that product), never K or
 V, so every product is exact and accumulation is f32.
@@ -50,7 +52,6 @@ T = 64  # keys per tile (one SMEM stage; wgmma's M for the transposed scores)
 DB = 64  # dims per operand block (128 bytes of bf16: one swizzled row)
 CHUNKS = 4  # latent chunks of 128 dims (fp8_ds_mla's scale blocks)
 LATENT_BLOCKS = 2 * CHUNKS  # (chunk, parity) operand blocks of the latent dims
-M = 16  # query rows per CTA
 CONSUMERS = 2  # consumer warpgroups per CTA, each owning CHUNKS // CONSUMERS latent chunks
 OWN = LATENT_BLOCKS // CONSUMERS  # operand blocks (chunk, parity) per consumer: 4
 SMEM_BYTES = 227 * 1024  # an H200 CTA's shared memory
@@ -79,6 +80,7 @@ class RowFormat(NamedTuple):
     qlen: query positions per request; past 1 the rows are causal: row r (position r // H of
       ``qlen``) sees key positions j <= length - qlen + r // H, and V codes that are NaN are
       zeroed (a hidden NaN key must not reach a row; a visible one already made its score NaN).
+    m: query rows per CTA, 16 or 32 (wgmma's N for the scores and the output).
     """
 
     row_bytes: int
@@ -87,6 +89,7 @@ class RowFormat(NamedTuple):
     rope_word: int
     rope_fp8: bool
     qlen: int = 1
+    m: int = 16
 
     @property
     def causal(self) -> bool:
@@ -135,9 +138,10 @@ def consumer_registers() -> int:
 def stages_for(fmt: RowFormat) -> int:
     """Row stages that fit in SMEM beside q, P^T and V (bf16), and each consumer's partial
     scores and output staging (f32)."""
+    m = fmt.m
     fixed = (
-        ((LATENT_BLOCKS * DB + ROPE_DIM) * M + fmt.p_blocks * T * M + LATENT_BLOCKS * T * DB) * 2
-        + CONSUMERS * (DB * M + T * M) * 4
+        ((LATENT_BLOCKS * DB + ROPE_DIM) * m + fmt.p_blocks * T * m + LATENT_BLOCKS * T * DB) * 2
+        + CONSUMERS * (DB * m + T * m) * 4
         + 2 * T * 4
         + SMEM_SLACK
     )
@@ -145,13 +149,13 @@ def stages_for(fmt: RowFormat) -> int:
     return max(1, min(MAX_STAGES, (SMEM_BYTES - fixed) // (T * per_row)))
 
 
-def permute_latent(rows, hbs: int):
-    """[G, R, 512] -> [G, hbs, LATENT_BLOCKS, M, DB]: rows padded to hbs * M; block 2c + p
+def permute_latent(rows, hbs: int, m: int):
+    """[G, R, 512] -> [G, hbs, LATENT_BLOCKS, m, DB]: rows padded to hbs * m; block 2c + p
     holds dims 128c + 2j + p (the order of a row's uint16 words)."""
     g, r, _ = rows.shape
-    rows = jnp.pad(rows, ((0, 0), (0, M * hbs - r), (0, 0)))
-    lat = rows.reshape(g, hbs, M, CHUNKS, DB, 2).transpose(0, 1, 3, 5, 2, 4)
-    return lat.reshape(g, hbs, LATENT_BLOCKS, M, DB)
+    rows = jnp.pad(rows, ((0, 0), (0, m * hbs - r), (0, 0)))
+    lat = rows.reshape(g, hbs, m, CHUNKS, DB, 2).transpose(0, 1, 3, 5, 2, 4)
+    return lat.reshape(g, hbs, LATENT_BLOCKS, m, DB)
 
 
 def unpermute_out(o):
@@ -359,16 +363,17 @@ def _byte(words, parity: int):
 
 
 def _kernel(*refs, fmt: RowFormat, **smem):
-    """One CTA: rows [hb * M, hb * M + M) of group g, split ``split`` of its keys.
+    """One CTA: rows [hb * m, hb * m + m) of group g, split ``split`` of its keys (m =
+    ``fmt.m``).
 
     Inputs (GMEM): cache [N, row_bytes] uint8; idx [nnz] int32 (a tile's slice may extend past
     nnz: entries past its key count are never read); zero [row_bytes] uint8 (the row copied for
-    a masked key); q_lat [G, HB, LATENT_BLOCKS, M, DB] bf16; q_rope [G, HB, rope_blocks, M,
+    a masked key); q_lat [G, HB, LATENT_BLOCKS, m, DB] bf16; q_rope [G, HB, rope_blocks, m,
     64 / rope_blocks] bf16; work [G, S, WORK] int32 (first position in idx, key count, first
     key position of the split within its group's list, the list's length, 0...); scale [128]
     f32 (the score scale in log2 units, then the output scale); causal only: rowpos [HB, 64]
-    int32 (each row's query position), iota [64] int32. Outputs: o [G, S, HB, 512, M] f32
-    (O^T, permuted dims); lse [G, S, HB, 64] f32 (log2 units in the first M entries; -inf for
+    int32 (each row's query position), iota [64] int32. Outputs: o [G, S, HB, 512, m] f32
+    (O^T, permuted dims); lse [G, S, HB, 64] f32 (log2 units in the first m entries; -inf for
     a row without keys). ``smem``: ``_scratch``'s buffers and barriers.
 
     Warpgroups 0 .. CONSUMERS - 1 consume, warpgroup CONSUMERS produces. Consumer c converts,
@@ -379,6 +384,7 @@ def _kernel(*refs, fmt: RowFormat, **smem):
     own dims.
     """
     plgpu = _mgpu()[0]
+    m = fmt.m
     cache, idx_ref, zero, q_lat, q_rope, work_ref, scale_ref, *causal_refs, o_ref, lse_ref = refs
     s = smem
     hbs = q_lat.shape[1]
@@ -392,11 +398,11 @@ def _kernel(*refs, fmt: RowFormat, **smem):
     per_key = wgmma.reduce(1)  # one value per row of S^T (a key)
     per_row = wgmma.reduce(0)  # one value per column of S^T (a query row)
 
-    def by_key(v):  # [T] per-key values broadcast over the rows: [T, M]
-        return jax.lax.broadcast_in_dim(v, (T, M), [0])
+    def by_key(v):  # [T] per-key values broadcast over the rows: [T, m]
+        return jax.lax.broadcast_in_dim(v, (T, m), [0])
 
-    def by_row(v, n=T):  # [M] per-row values broadcast: [n, M]
-        return jax.lax.broadcast_in_dim(v, (n, M), [1])
+    def by_row(v, n=T):  # [m] per-row values broadcast: [n, m]
+        return jax.lax.broadcast_in_dim(v, (n, m), [1])
 
     _init_barriers(s["rec_bars"], stages)
     setup = [(q_lat.at[g, hb], s["q_lat"]), (q_rope.at[g, hb], s["q_rope"])]
@@ -440,10 +446,10 @@ def _kernel(*refs, fmt: RowFormat, **smem):
 
     def consume(c: int):
         plgpu.set_max_registers(consumer_registers(), action="increase")
-        score_scale = load(s["scale"].at[pl.ds(0, M)], per_row)
-        out_scale = load(s["scale"].at[pl.ds(DB, M)], per_row)
+        score_scale = load(s["scale"].at[pl.ds(0, m)], per_row)
+        out_scale = load(s["scale"].at[pl.ds(DB, m)], per_row)
         if fmt.causal:
-            bound = total - fmt.qlen + load(s["rowpos"].at[pl.ds(0, M)], per_row)
+            bound = total - fmt.qlen + load(s["rowpos"].at[pl.ds(0, m)], per_row)
             iota = load(s["iota"], per_key)
         blocks = range(OWN * c, OWN * (c + 1))
         chunks = range(OWN * c // 2, OWN * (c + 1) // 2)
@@ -457,7 +463,7 @@ def _kernel(*refs, fmt: RowFormat, **smem):
             return b // 2 if chunk_scales else c
 
         def scores(stage):
-            """This consumer's unscaled S^T parts [T, M] f32 (``n_acc`` of them). Its bf16 K
+            """This consumer's unscaled S^T parts [T, m] f32 (``n_acc`` of them). Its bf16 K
             blocks also go to ``v`` for P @ V. One wgmma wait for all."""
 
             def run(accs):
@@ -479,7 +485,7 @@ def _kernel(*refs, fmt: RowFormat, **smem):
                         plgpu.wgmma(accs[n_acc - 1], k, q_t)
                 return [a[...] for a in accs]
 
-            return pl.run_scoped(run, [plgpu.ACC((T, M), jnp.float32)] * n_acc)
+            return pl.run_scoped(run, [plgpu.ACC((T, m), jnp.float32)] * n_acc)
 
         def tile(t, carry):
             m_run, l_run, accs = carry
@@ -507,10 +513,10 @@ def _kernel(*refs, fmt: RowFormat, **smem):
             sc_t = jnp.where(visible, sc_t * by_row(score_scale), -jnp.inf)  # log2 units
             if c == 0:
                 m_new = jnp.maximum(m_run, sc_t.max(axis=0))
-                s["ml"][pl.ds(0, M)] = m_new
+                s["ml"][pl.ds(0, m)] = m_new
             _consumers_barrier()  # the running max is in SMEM; every partial has been read
             if c != 0:
-                m_new = load(s["ml"].at[pl.ds(0, M)], per_row)
+                m_new = load(s["ml"].at[pl.ds(0, m)], per_row)
             m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             alpha = jnp.exp2(m_run - m_ref)
             p = jnp.exp2(sc_t - by_row(m_ref))
@@ -531,15 +537,15 @@ def _kernel(*refs, fmt: RowFormat, **smem):
             accs = pl.run_state(pv)(tuple(plgpu.ACC.init(a * by_row(alpha, DB)) for a in accs))
             return m_new, l_run, list(accs)
 
-        m0 = plgpu.layout_cast(jnp.full((M,), -jnp.inf, jnp.float32), per_row)
-        l0 = plgpu.layout_cast(jnp.full((M,), 0.0, jnp.float32), per_row)
-        zero_acc = plgpu.layout_cast(jnp.zeros((DB, M), jnp.float32), wgmma)
+        m0 = plgpu.layout_cast(jnp.full((m,), -jnp.inf, jnp.float32), per_row)
+        l0 = plgpu.layout_cast(jnp.full((m,), 0.0, jnp.float32), per_row)
+        zero_acc = plgpu.layout_cast(jnp.zeros((DB, m), jnp.float32), wgmma)
         m_run, l_run, accs = jax.lax.fori_loop(0, count, tile, (m0, l0, [zero_acc] * OWN))
         if c == 0:
-            s["ml"][pl.ds(DB, M)] = l_run
+            s["ml"][pl.ds(DB, m)] = l_run
         _consumers_barrier()  # consumer 0's softmax sum is in SMEM
         if c != 0:
-            l_run = load(s["ml"].at[pl.ds(DB, M)], per_row)
+            l_run = load(s["ml"].at[pl.ds(DB, m)], per_row)
         has = l_run != 0
         inv_l = jnp.where(has, out_scale / jnp.where(has, l_run, 1.0), 0.0)
         for b, acc in zip(blocks, accs, strict=True):
@@ -549,7 +555,7 @@ def _kernel(*refs, fmt: RowFormat, **smem):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             plgpu.commit_smem()  # (a warpgroup barrier) o[c] is free again for every thread
         if c == 0:
-            s["lse"][pl.ds(0, M)] = jnp.where(
+            s["lse"][pl.ds(0, m)] = jnp.where(
                 has, m_run + jnp.log2(jnp.where(has, l_run, 1.0)), -jnp.inf
             )
             plgpu.commit_smem()
@@ -563,25 +569,33 @@ def _kernel(*refs, fmt: RowFormat, **smem):
 def _scratch(fmt: RowFormat) -> dict:
     """The SMEM buffers and barriers of one CTA (``_kernel``'s ``smem``)."""
     plgpu = _mgpu()[0]
-    stages = stages_for(fmt)
-    pv_swizzle = plgpu.find_swizzle(M * 16, "rhs")  # one P^T row: M bf16
+    m, stages = fmt.m, stages_for(fmt)
+    pv_swizzle = plgpu.find_swizzle(m * 16, "rhs")  # one P^T row: m bf16
     rope_width = ROPE_DIM // fmt.rope_blocks
 
     def swizzled(shape, swizzle):
         transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
         return plgpu.SMEM(shape, jnp.bfloat16, transforms=transforms)
 
+    def f32(shape):
+        """f32 [.., n, m] read and written in the WGMMA layout: rows of 64 bytes (m = 16) are
+        bank-conflict free as they are, rows of 128 bytes (m = 32) need the 128-byte swizzle."""
+        if 4 * m < 128:
+            return plgpu.SMEM(shape, jnp.float32)
+        transforms = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+        return plgpu.SMEM(shape, jnp.float32, transforms=transforms)
+
     setup_copies = 4 + 2 * fmt.causal
     scratch = {
-        "q_lat": swizzled((LATENT_BLOCKS, M, DB), 128),
-        "q_rope": swizzled((fmt.rope_blocks, M, rope_width), 2 * rope_width),
+        "q_lat": swizzled((LATENT_BLOCKS, m, DB), 128),
+        "q_rope": swizzled((fmt.rope_blocks, m, rope_width), 2 * rope_width),
         "raw": plgpu.SMEM((stages, T, fmt.pitch // 2), jnp.uint16),
         "ids": plgpu.SMEM((stages, T), jnp.int32),
-        "p": swizzled((fmt.p_blocks, T, M), pv_swizzle),
+        "p": swizzled((fmt.p_blocks, T, m), pv_swizzle),
         "v": swizzled((LATENT_BLOCKS, T, DB), pv_swizzle),  # wgmma wants both swizzles equal
-        "s": plgpu.SMEM((CONSUMERS, T, M), jnp.float32),  # each consumer's partial scores
+        "s": f32((CONSUMERS, T, m)),  # each consumer's partial scores
         "ml": plgpu.SMEM((2 * DB,), jnp.float32),  # consumer 0's running max, then its sum
-        "o": plgpu.SMEM((CONSUMERS, DB, M), jnp.float32),
+        "o": f32((CONSUMERS, DB, m)),
         "lse": plgpu.SMEM((64,), jnp.float32),
         "work": plgpu.SMEM((WORK,), jnp.int32),
         "scale": plgpu.SMEM((2 * DB,), jnp.float32),
@@ -625,14 +639,15 @@ def attention(
     fmt: RowFormat, cache, idx, work_entries, q_lat, q_rope, score_scale, out_scale, positions=None
 ):
     """Runs the kernel: ``cache`` [N, row_bytes] uint8, ``idx`` [nnz] int32, ``work_entries``
-    [G, S, WORK] (``work``), ``q_lat`` [G, HB, LATENT_BLOCKS, M, DB] and ``q_rope`` [G, HB,
-    rope_blocks, M, 64 / rope_blocks] bf16, scalar scales (the score scale in natural units);
-    causal formats: ``positions`` [HB * M] int32, each row's query position in [0, qlen).
+    [G, S, WORK] (``work``), ``q_lat`` [G, HB, LATENT_BLOCKS, m, DB] and ``q_rope`` [G, HB,
+    rope_blocks, m, 64 / rope_blocks] bf16, scalar scales (the score scale in natural units);
+    causal formats: ``positions`` [HB * m] int32, each row's query position in [0, qlen).
 
-    Returns o [G, S, HB * M, 512] f32 (natural dim order, each split normalized by its own sum
-    and times ``out_scale``) and lse [G, S, HB * M] f32 (natural log; -inf without keys).
+    Returns o [G, S, HB * m, 512] f32 (natural dim order, each split normalized by its own sum
+    and times ``out_scale``) and lse [G, S, HB * m] f32 (natural log; -inf without keys).
     """
     plgpu = _mgpu()[0]
+    m = fmt.m
     if cache.shape[0] >= MAX_ROWS:
         raise NotImplementedError("the Mosaic GPU kernels read int32 record indices")
     g, splits, hbs = q_lat.shape[0], work_entries.shape[1], q_lat.shape[1]
@@ -645,12 +660,12 @@ def attention(
     inputs = [cache, idx, jnp.zeros((fmt.row_bytes,), jnp.uint8), q_lat, q_rope]
     inputs += [work_entries, scale]
     if fmt.causal:
-        rowpos = jnp.pad(positions.reshape(hbs, M), ((0, 0), (0, 64 - M)))
+        rowpos = jnp.pad(positions.reshape(hbs, m), ((0, 0), (0, 64 - m)))
         inputs += [rowpos.astype(jnp.int32), jnp.arange(64, dtype=jnp.int32)]
     o_t, lse2 = plgpu.kernel(
         functools.partial(_kernel, fmt=fmt),
         out_type=(
-            jax.ShapeDtypeStruct((g, splits, hbs, LATENT_DIM, M), jnp.float32),
+            jax.ShapeDtypeStruct((g, splits, hbs, LATENT_DIM, m), jnp.float32),
             jax.ShapeDtypeStruct((g, splits, hbs, 64), jnp.float32),
         ),
         scratch_types=_scratch(fmt),
@@ -664,8 +679,8 @@ def attention(
             unsafe_no_auto_barriers=True,  # the kernel places its own (see _kernel)
         ),
     )(*inputs)
-    o = unpermute_out(o_t.swapaxes(-1, -2).reshape(g, splits, hbs * M, LATENT_DIM))
-    return o, lse2[..., :M].reshape(g, splits, hbs * M) / LOG2E
+    o = unpermute_out(o_t.swapaxes(-1, -2).reshape(g, splits, hbs * m, LATENT_DIM))
+    return o, lse2[..., :m].reshape(g, splits, hbs * m) / LOG2E
 
 
 def per_element_vmap(fn):

@@ -2,11 +2,12 @@
 
 The pipeline of ``_pipeline`` (a producer warpgroup gathering cache rows, two wgmma consumers)
 over 576-byte rows: 512 latent e4m3 codes, then 64 rope e4m3 codes, with one ``k_scale`` and
-one ``v_scale`` per call (the score scale and the output scale). One CTA owns ``M`` = 16 query
-rows of one request (row r = i * H + h: position i of ``qlen``, head h) and one split of the
-request's key positions. The rope is two 32-dim operand blocks (the even and the odd codes of
-its 32 uint16 words). Rows are staged in SMEM at a pitch of 592 bytes: at 576 (144 words, 0
-mod 8) the 16-byte slices of 8 rows at one column would share 4 banks.
+one ``v_scale`` per call (the score scale and the output scale). One CTA owns 16 query rows of
+one request (row r = i * H + h: position i of ``qlen``, head h), or 32 where the request has
+more than 16 (then every key is read and converted once for up to 32 rows, not twice for 16),
+and one split of the request's key positions. The rope is two 32-dim operand blocks (the even
+and the odd codes of its 32 uint16 words). Rows are staged in SMEM at a pitch of 592 bytes: at
+576 (144 words, 0 mod 8) the 16-byte slices of 8 rows at one column would share 4 banks.
 
 With ``qlen`` > 1 the rows are causal: row r sees key positions j <= length - qlen + i.
 """
@@ -21,7 +22,6 @@ import jax.numpy as jnp
 from jax_sparse_mla._platform import by_platform
 from jax_sparse_mla.formats import KV_DIM, LATENT_DIM, ROPE_DIM
 from jax_sparse_mla.kernels.mosaic._pipeline import (
-    M,
     RowFormat,
     T,
     attention,
@@ -35,10 +35,12 @@ from jax_sparse_mla.reference.attention import merge_partials
 from jax_sparse_mla.reference.mla_decode import SPLIT_ALIGN
 
 PITCH = 592  # SMEM bytes per staged row: 148 words, 4 mod 8 (bank-conflict free)
-MOSAIC_ROWS = M  # a request's rows (qlen * H) that one CTA holds: past it, CTAs share its keys
+MOSAIC_ROWS = 32  # a request's rows (qlen * H) that one CTA holds: past it, CTAs share its keys
 
 
-def row_format(qlen: int) -> RowFormat:
+def row_format(qlen: int, heads: int) -> RowFormat:
+    """The cache's RowFormat for requests of ``qlen`` positions of ``heads`` heads: 16 rows per
+    CTA where qlen * heads <= 16, else 32."""
     return RowFormat(
         row_bytes=KV_DIM,
         pitch=PITCH,
@@ -46,18 +48,19 @@ def row_format(qlen: int) -> RowFormat:
         rope_word=LATENT_DIM // 2,
         rope_fp8=True,
         qlen=qlen,
+        m=16 if qlen * heads <= 16 else 32,
     )
 
 
-def permute_q(q, b: int, qlen: int, hbs: int):
-    """[B * qlen, H, 576] -> latent blocks [B, hbs, 8, M, 64] (``permute_latent``) and rope
-    blocks [B, hbs, 2, M, 32] (block p, column j: rope dim 2j + p); rows r = i * H + h of each
-    request, padded with zeros to hbs * M."""
+def permute_q(q, b: int, qlen: int, hbs: int, m: int):
+    """[B * qlen, H, 576] -> latent blocks [B, hbs, 8, m, 64] (``permute_latent``) and rope
+    blocks [B, hbs, 2, m, 32] (block p, column j: rope dim 2j + p); rows r = i * H + h of each
+    request, padded with zeros to hbs * m."""
     h = q.shape[1]
     rows = q.reshape(b, qlen * h, KV_DIM)
-    rope = jnp.pad(rows[..., LATENT_DIM:], ((0, 0), (0, hbs * M - qlen * h), (0, 0)))
-    rope = rope.reshape(b, hbs, M, ROPE_DIM // 2, 2).transpose(0, 1, 4, 2, 3)
-    return permute_latent(rows[..., :LATENT_DIM], hbs), rope
+    rope = jnp.pad(rows[..., LATENT_DIM:], ((0, 0), (0, hbs * m - qlen * h), (0, 0)))
+    rope = rope.reshape(b, hbs, m, ROPE_DIM // 2, 2).transpose(0, 1, 4, 2, 3)
+    return permute_latent(rows[..., :LATENT_DIM], hbs, m), rope
 
 
 def _partials(q, codes, kv_indices, kv_indptr, k_scale, v_scale, sm_scale, *, qlen, splits, align):
@@ -65,15 +68,16 @@ def _partials(q, codes, kv_indices, kv_indptr, k_scale, v_scale, sm_scale, *, ql
     normalized by its own sum; splits cut at multiples of ``align``."""
     rows, h, _ = q.shape
     b = kv_indptr.shape[0] - 1
-    hbs = -(-(qlen * h) // M)
+    fmt = row_format(qlen, h)
+    hbs = -(-(qlen * h) // fmt.m)
     entries = work(kv_indptr, kv_indices.shape[0], splits, align)
-    positions = jnp.arange(hbs * M, dtype=jnp.int32) // h
+    positions = jnp.arange(hbs * fmt.m, dtype=jnp.int32) // h
     o, lse = attention(
-        row_format(qlen),
+        fmt,
         codes,
         kv_indices,
         entries,
-        *permute_q(q, b, qlen, hbs),
+        *permute_q(q, b, qlen, hbs, fmt.m),
         sm_scale * k_scale,
         v_scale,
         positions,
@@ -105,7 +109,7 @@ def mla_decode_mosaic(q, codes, kv_indices, kv_indptr, *, qlen, num_splits=None,
     merged in float32. Returns out [B * qlen, H, 512] bf16 and lse [B * qlen, H] f32."""
     b = kv_indptr.shape[0] - 1
     if num_splits is None:
-        hbs = -(-(qlen * q.shape[1]) // M)
+        hbs = -(-(qlen * q.shape[1]) // row_format(qlen, q.shape[1]).m)
         num_splits = choose_splits(b * hbs, kv_indices.shape[0] / T / b)
     args = (q, codes, kv_indices, kv_indptr)
     o, lse = _run(*args, qlen=qlen, splits=num_splits, align=T, **scales)

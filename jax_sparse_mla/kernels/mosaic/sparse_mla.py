@@ -2,10 +2,11 @@
 
 The pipeline of ``_pipeline`` (a producer warpgroup gathering records, two wgmma consumers)
 over 656-byte records: each record's four per-128-dim scales multiply its chunk's partial
-scores and P, never K or V. One CTA owns ``M`` = 16 heads of one query row (more heads take
+scores and P, never K or V. One CTA owns 16 heads of one query row (more heads take
 several CTAs, launched side by side so that their gathers of the same records meet in L2) and
 one split of the row's key list. Heads are wgmma's N dimension, so 16 heads cost 16 columns
-(FlashMLA pads them to 64 rows). The rope is 64 bf16 values: one operand block.
+(FlashMLA pads them to 64 rows); 32 would leave SMEM room for one record stage only. The rope
+is 64 bf16 values: one operand block.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from jax_sparse_mla._platform import by_platform
 from jax_sparse_mla.formats import LATENT_DIM, RECORD_BYTES, ROPE_OFFSET, SCALES_OFFSET
 from jax_sparse_mla.kernels.mosaic._pipeline import (
     DB,
-    M,
     RowFormat,
     T,
     attention,
@@ -40,11 +40,12 @@ FORMAT = RowFormat(
 
 
 def permute_q(q, hbs: int):
-    """[n_q, H, 576] -> latent blocks [n_q, hbs, 8, M, DB] (``permute_latent``) and the rope
-    [n_q, hbs, 1, M, 64]; heads padded with zeros to hbs * M."""
+    """[n_q, H, 576] -> latent blocks [n_q, hbs, 8, m, DB] (``permute_latent``) and the rope
+    [n_q, hbs, 1, m, 64]; heads padded with zeros to hbs * m (m = ``FORMAT.m``, 16)."""
     n_q, h, _ = q.shape
-    rope = jnp.pad(q[..., LATENT_DIM:], ((0, 0), (0, M * hbs - h), (0, 0)))
-    return permute_latent(q[..., :LATENT_DIM], hbs), rope.reshape(n_q, hbs, 1, M, DB)
+    m = FORMAT.m
+    rope = jnp.pad(q[..., LATENT_DIM:], ((0, 0), (0, m * hbs - h), (0, 0)))
+    return permute_latent(q[..., :LATENT_DIM], hbs, m), rope.reshape(n_q, hbs, 1, m, DB)
 
 
 @per_element_vmap
@@ -63,7 +64,7 @@ def sparse_mla_mosaic(q, kv, idx, indptr, sm_scale):
     nnz = idx.shape[0]
     if n_q == 0 or h == 0 or nnz == 0 or records.shape[0] == 0:
         return no_keys(n_q, h)
-    hbs = -(-h // M)
+    hbs = -(-h // FORMAT.m)
     splits = choose_splits(n_q * hbs, nnz / T / n_q)
     entries = work(indptr, nnz, splits, T)
     o, lse = attention(FORMAT, records, idx, entries, *permute_q(q, hbs), sm_scale, 1.0)
