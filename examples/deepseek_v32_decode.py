@@ -50,9 +50,15 @@ LATENT, ROPE, NOPE, V_HEAD = 512, 64, 128, 128  # DeepSeek-V3.2's MLA dims
 SM_SCALE = (NOPE + ROPE) ** -0.5 * (0.1 * math.log(40.0) + 1.0) ** 2
 # (1)'s bound, relative to the largest |reference| of the (request, head) row. "xla": the
 # exact float32 attention rounded once to bf16 (<= 2^-8 relative), plus float32 summation
-# order: 2^-7. The kernels ("pallas", "gfx950_emulation", "flydsl") round P to bf16 / fp16
-# and (gfx950) split q into fp8 parts: 2^-5.
-BOUNDS = {"xla": 2.0**-7, "pallas": 2.0**-5, "gfx950_emulation": 2.0**-5, "flydsl": 2.0**-5}
+# order: 2^-7. The kernels ("pallas", "mosaic", "gfx950_emulation", "flydsl") round P to bf16
+# / fp16 and (gfx950) split q into fp8 parts: 2^-5.
+BOUNDS = {
+    "xla": 2.0**-7,
+    "pallas": 2.0**-5,
+    "mosaic": 2.0**-5,
+    "gfx950_emulation": 2.0**-5,
+    "flydsl": 2.0**-5,
+}
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
