@@ -226,10 +226,9 @@ def mla_decode(
       return_lse: also return the natural-log LSE.
       implementation: None (the FlyDSL kernels on gfx950 ROCm GPUs; on Hopper GPUs the Mosaic
         GPU kernel where qlen * H <= 32, the Pallas one past that and on later NVIDIA GPUs;
-        "xla" elsewhere), "xla", "mosaic"
-        (the Mosaic GPU kernel: CUDA Hopper only, no interpret mode), "pallas" (compiled on
-        CUDA, Pallas interpret mode elsewhere), "flydsl" or "gfx950_emulation" (the gfx950
-        kernels' own arithmetic in jnp, every platform).
+        "xla" elsewhere), "xla", "mosaic" (the Mosaic GPU kernel: CUDA Hopper only, no
+        interpret mode), "pallas" (compiled on CUDA, Pallas interpret mode elsewhere), "flydsl"
+        or "gfx950_emulation" (the gfx950 kernels' own arithmetic in jnp, every platform).
       validate: run ``validate_mla_decode``'s data checks (ValueError on concrete inputs or
         inside ``checked``; otherwise under ``jax.jit`` a ``jax.errors.JaxRuntimeError`` with
         the same message).

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jax_sparse_mla.formats import LATENT_DIM, ROPE_DIM
+from jax_sparse_mla.reference.attention import merge_partials
 
 T = 64  # keys per tile (one SMEM stage; wgmma's M for the transposed scores)
 DB = 64  # dims per operand block (128 bytes of bf16: one swizzled row)
@@ -117,11 +118,18 @@ def _mgpu():
     return plgpu, mgpu_utils, ir, llvm, nvvm, arith
 
 
+@functools.cache
+def _load_needs_index() -> bool:
+    """jax 0.10's ``plgpu.load`` requires an index argument; jax >= 0.11 deprecates it."""
+    params = inspect.signature(_mgpu()[0].load).parameters
+    return params["idx"].default is inspect.Parameter.empty
+
+
 def load(ref, layout):
-    """The whole of SMEM view ``ref`` in registers with ``layout``. jax >= 0.11 deprecates
-    ``plgpu.load``'s index argument (the view is indexed with ``.at``); jax 0.10 requires it."""
+    """The whole of SMEM view ``ref`` in registers with ``layout`` (the view is indexed with
+    ``.at``, never through ``plgpu.load``'s index argument)."""
     plgpu = _mgpu()[0]
-    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+    if _load_needs_index():
         return plgpu.load(ref, (), layout=layout)
     return plgpu.load(ref, layout=layout)
 
@@ -681,6 +689,17 @@ def attention(
     )(*inputs)
     o = unpermute_out(o_t.swapaxes(-1, -2).reshape(g, splits, hbs * m, LATENT_DIM))
     return o, lse2[..., :m].reshape(g, splits, hbs * m) / LOG2E
+
+
+def merge_splits(o, lse):
+    """Per-split o [G, S, R, 512] f32 and lse [G, S, R] -> out [G, R, 512] bf16 and lse [G, R]:
+    the splits merged in float32; one split is already normalized (0 and -inf for a row
+    without keys)."""
+    if o.shape[1] > 1:
+        o, lse = merge_partials(o, lse)
+    else:
+        o, lse = o[:, 0], lse[:, 0]
+    return o.astype(jnp.bfloat16), lse
 
 
 def per_element_vmap(fn):

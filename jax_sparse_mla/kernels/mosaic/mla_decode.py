@@ -27,11 +27,11 @@ from jax_sparse_mla.kernels.mosaic._pipeline import (
     attention,
     choose_splits,
     fail_off_cuda,
+    merge_splits,
     per_element_vmap,
     permute_latent,
     work,
 )
-from jax_sparse_mla.reference.attention import merge_partials
 from jax_sparse_mla.reference.mla_decode import SPLIT_ALIGN
 
 PITCH = 592  # SMEM bytes per staged row: 148 words, 4 mod 8 (bank-conflict free)
@@ -52,6 +52,11 @@ def row_format(qlen: int, heads: int) -> RowFormat:
     )
 
 
+def row_blocks(fmt: RowFormat, heads: int) -> int:
+    """CTAs per request (and split): its qlen * heads rows in blocks of ``fmt.m``."""
+    return -(-(fmt.qlen * heads) // fmt.m)
+
+
 def permute_q(q, b: int, qlen: int, hbs: int, m: int):
     """[B * qlen, H, 576] -> latent blocks [B, hbs, 8, m, 64] (``permute_latent``) and rope
     blocks [B, hbs, 2, m, 32] (block p, column j: rope dim 2j + p); rows r = i * H + h of each
@@ -69,7 +74,7 @@ def _partials(q, codes, kv_indices, kv_indptr, k_scale, v_scale, sm_scale, *, ql
     rows, h, _ = q.shape
     b = kv_indptr.shape[0] - 1
     fmt = row_format(qlen, h)
-    hbs = -(-(qlen * h) // fmt.m)
+    hbs = row_blocks(fmt, h)
     entries = work(kv_indptr, kv_indices.shape[0], splits, align)
     positions = jnp.arange(hbs * fmt.m, dtype=jnp.int32) // h
     o, lse = attention(
@@ -107,17 +112,12 @@ def mla_decode_mosaic(q, codes, kv_indices, kv_indptr, *, qlen, num_splits=None,
     """``mla_decode`` on the Mosaic GPU kernel; arguments as ``mla_decode_partials_mosaic``.
     ``num_splits=None`` fills the GPU (``choose_splits``); splits are cut at tile multiples and
     merged in float32. Returns out [B * qlen, H, 512] bf16 and lse [B * qlen, H] f32."""
-    b = kv_indptr.shape[0] - 1
+    b, h = kv_indptr.shape[0] - 1, q.shape[1]
     if num_splits is None:
-        hbs = -(-(qlen * q.shape[1]) // row_format(qlen, q.shape[1]).m)
+        hbs = row_blocks(row_format(qlen, h), h)
         num_splits = choose_splits(b * hbs, kv_indices.shape[0] / T / b)
     args = (q, codes, kv_indices, kv_indptr)
-    o, lse = _run(*args, qlen=qlen, splits=num_splits, align=T, **scales)
-    if num_splits > 1:
-        o, lse = merge_partials(o, lse)
-    else:
-        o, lse = o[:, 0], lse[:, 0]
-    return o.astype(jnp.bfloat16), lse
+    return merge_splits(*_run(*args, qlen=qlen, splits=num_splits, align=T, **scales))
 
 
 def _off_cuda(splits: bool):

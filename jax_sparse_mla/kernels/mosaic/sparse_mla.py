@@ -23,11 +23,11 @@ from jax_sparse_mla.kernels.mosaic._pipeline import (
     attention,
     choose_splits,
     fail_off_cuda,
+    merge_splits,
     per_element_vmap,
     permute_latent,
     work,
 )
-from jax_sparse_mla.reference.attention import merge_partials
 from jax_sparse_mla.reference.sparse_mla import no_keys
 
 FORMAT = RowFormat(
@@ -68,12 +68,7 @@ def sparse_mla_mosaic(q, kv, idx, indptr, sm_scale):
     splits = choose_splits(n_q * hbs, nnz / T / n_q)
     entries = work(indptr, nnz, splits, T)
     o, lse = attention(FORMAT, records, idx, entries, *permute_q(q, hbs), sm_scale, 1.0)
-    o, lse = o[:, :, :h], lse[:, :, :h]
-    if splits > 1:  # one split is already normalized (0 and -inf for a row without keys)
-        o, lse = merge_partials(o, lse)
-    else:
-        o, lse = o[:, 0], lse[:, 0]
-    return o.astype(jnp.bfloat16), lse
+    return merge_splits(o[:, :, :h], lse[:, :, :h])
 
 
 def _off_cuda(q, kv, idx, indptr, sm_scale):
