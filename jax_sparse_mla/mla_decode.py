@@ -35,7 +35,6 @@ from jax_sparse_mla.ffi.calls import (
 )
 from jax_sparse_mla.formats import KV_DIM, LATENT_DIM
 from jax_sparse_mla.kernels.mosaic.mla_decode import (
-    MOSAIC_ROWS,
     mla_decode_mosaic,
     mla_decode_mosaic_cuda,
     mla_decode_partials_mosaic,
@@ -130,31 +129,16 @@ def _f32_parts(partials: Callable) -> Callable:
     return run
 
 
-def _mosaic_if_one_row_block(field: str) -> Callable:
-    """None's Hopper kernel for the partials and the decode: the Mosaic GPU kernel where a
-    request's rows (qlen * H) fit one CTA's ``MOSAIC_ROWS`` (32), the compiled Pallas kernel
-    past that (not measured yet). On the H200 (README, "NVIDIA H200") the Mosaic kernel is
-    2.0x to 2.8x faster at 12 rows (qlen 1) from 32 requests up, and with 32 rows per CTA
-    about 1.2x to 1.5x faster at 24 rows (qlen 2)."""
-    mosaic, pallas = getattr(_MOSAIC_COMPILED, field), getattr(_COMPILED, field)
-
-    def run(q, *args, qlen, **kw):
-        fn = mosaic if qlen * q.shape[1] <= MOSAIC_ROWS else pallas
-        return fn(q, *args, qlen=qlen, **kw)
-
-    return run
-
-
 def _auto(field: str):
     """implementation=None: the FlyDSL kernels on gfx950 (ROCm); on Hopper GPUs the Mosaic GPU
-    kernel for requests of at most ``MOSAIC_ROWS`` rows (``_mosaic_if_one_row_block``), else
-    and on later GPUs the compiled Pallas kernels (the merge: always Pallas); "xla" everywhere
-    else."""
+    kernels (the merge: Pallas), on later NVIDIA GPUs the compiled Pallas kernels; "xla"
+    everywhere else. On the H200 (README, "NVIDIA H200") the Mosaic decode is 1.3x to 2.8x
+    faster than Pallas from 32 requests up, at 12 to 128 rows (qlen * H) per request."""
     xla = getattr(_XLA, field)
     flydsl = getattr(_FLYDSL, field)
     if field == "partials":
         flydsl = _f32_parts(flydsl)
-    mosaic = None if field == "combine" else _mosaic_if_one_row_block(field)
+    mosaic = None if field == "combine" else getattr(_MOSAIC_COMPILED, field)
     return by_platform(
         default=xla,
         cuda=hopper_or(getattr(_COMPILED, field), xla, mosaic),
@@ -225,10 +209,10 @@ def mla_decode(
         depend on it.
       return_lse: also return the natural-log LSE.
       implementation: None (the FlyDSL kernels on gfx950 ROCm GPUs; on Hopper GPUs the Mosaic
-        GPU kernel where qlen * H <= 32, the Pallas one past that and on later NVIDIA GPUs;
-        "xla" elsewhere), "xla", "mosaic" (the Mosaic GPU kernel: CUDA Hopper only, no
-        interpret mode), "pallas" (compiled on CUDA, Pallas interpret mode elsewhere), "flydsl"
-        or "gfx950_emulation" (the gfx950 kernels' own arithmetic in jnp, every platform).
+        GPU kernel, on later NVIDIA GPUs the Pallas one; "xla" elsewhere), "xla", "mosaic"
+        (the Mosaic GPU kernel: CUDA Hopper only, no interpret mode), "pallas" (compiled on
+        CUDA, Pallas interpret mode elsewhere), "flydsl" or "gfx950_emulation" (the gfx950
+        kernels' own arithmetic in jnp, every platform).
       validate: run ``validate_mla_decode``'s data checks (ValueError on concrete inputs or
         inside ``checked``; otherwise under ``jax.jit`` a ``jax.errors.JaxRuntimeError`` with
         the same message).

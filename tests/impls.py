@@ -100,8 +100,7 @@ def common(*ops: str) -> tuple[str, ...]:
 def default(op: str) -> str:
     """What ``implementation=None`` runs here for ``op``: "flydsl" on an MI355; on a Hopper or
     later NVIDIA GPU ``hopper_choice()`` ("mosaic" on a Hopper, "pallas" past it) for the ops
-    with a Mosaic GPU kernel (mla_decode's for requests of at most 32 rows, qlen * H, as every
-    None case of the suites has; None's merge is Pallas'), else "pallas"; "xla" elsewhere."""
+    with a Mosaic GPU kernel (None's merge is Pallas'), else "pallas"; "xla" elsewhere."""
     names = implementations(op)
     if has_gfx950():
         return "flydsl"

@@ -250,14 +250,14 @@ def _decode_lowered_text(op, b, qlen, h, tokens, n, implementation="mosaic", dty
 @pytest.mark.parametrize("sm90", [True, False])
 @pytest.mark.parametrize("qlen,h", [(1, 16), (2, 8), (2, 12), (2, 16), (4, 16), (1, 128)])
 @pytest.mark.parametrize("op", sorted(_DECODE_OPS))
-def test_decode_none_lowers_to_mosaic_for_one_row_block_on_hopper(monkeypatch, sm90, op, qlen, h):
-    """implementation=None for CUDA: the Mosaic GPU kernel on a Hopper GPU where a request's
-    rows (qlen * H) fit one CTA (32), the Pallas (Triton) one past that and on a later GPU."""
+def test_decode_none_lowers_to_mosaic_on_hopper(monkeypatch, sm90, op, qlen, h):
+    """implementation=None for CUDA: the Mosaic GPU kernel on a Hopper GPU for requests of any
+    row count (qlen * H: one CTA of 16 or 32 rows, or several), the Pallas (Triton) one on a
+    later GPU."""
     monkeypatch.setattr(_platform, "cuda_is_sm90", lambda: sm90)
     text = _decode_lowered_text(op, 3, qlen, h, 4000, 900, implementation=None)
-    mosaic = sm90 and qlen * h <= 32
-    assert ("@mosaic_gpu" in text) == mosaic
-    assert ("__gpu$xla.gpu.triton" in text) == (not mosaic)
+    assert ("@mosaic_gpu" in text) == sm90
+    assert ("__gpu$xla.gpu.triton" in text) == (not sm90)
 
 
 @pytest.mark.parametrize("dtype", [jnp.uint8, jnp.float8_e4m3fn])

@@ -35,7 +35,6 @@ from jax_sparse_mla.kernels.mosaic._pipeline import (
 from jax_sparse_mla.reference.mla_decode import SPLIT_ALIGN
 
 PITCH = 592  # SMEM bytes per staged row: 148 words, 4 mod 8 (bank-conflict free)
-MOSAIC_ROWS = 32  # a request's rows (qlen * H) that one CTA holds: past it, CTAs share its keys
 
 
 def row_format(qlen: int, heads: int) -> RowFormat:
