@@ -79,9 +79,8 @@ class RowFormat(NamedTuple):
     rope_word: first uint16 word of the rope's 64 dims.
     rope_fp8: the rope is 64 e4m3 codes (two 32-dim parity blocks), else 64 bf16 values.
     qlen: query positions per request; past 1 the rows are causal: row r (position r // H of
-      ``qlen``) sees key positions j <= length - qlen + r // H, and in the tiles that hold a
-      key past some row's bound V codes that are NaN are zeroed (a hidden NaN key must not
-      reach a row; a visible one already made its score NaN).
+      ``qlen``) sees key positions j <= length - qlen + r // H, and V codes that are NaN are
+      zeroed (a hidden NaN key must not reach a row; a visible one already made its score NaN).
     m: query rows per CTA, 16 or 32 (wgmma's N for the scores and the output).
     """
 
@@ -366,11 +365,6 @@ def _to_bf16(codes):
     return f8.astype(jnp.float16).astype(jnp.bfloat16)
 
 
-def _zero_nan(k):
-    """``k`` with its NaNs replaced by 0 (a hidden key's V codes must not reach P @ V)."""
-    return jnp.where(jnp.isnan(k), 0, k)
-
-
 def _byte(words, parity: int):
     """Byte ``parity`` (0 low, 1 high) of uint16 words, as uint8."""
     return ((words >> (8 * parity)) & 0xFF).astype(jnp.uint8)
@@ -476,16 +470,15 @@ def _kernel(*refs, fmt: RowFormat, **smem):
         def p_block(b):
             return b // 2 if chunk_scales else c
 
-        def scores(stage, hidden):
+        def scores(stage):
             """This consumer's unscaled S^T parts [T, m] f32 (``n_acc`` of them). Its bf16 K
-            blocks also go to ``v`` for P @ V, NaN codes zeroed where ``hidden`` (a tile holding
-            keys that some row must not see). One wgmma wait for all."""
+            blocks also go to ``v`` for P @ V. One wgmma wait for all."""
 
             def run(accs):
                 for b in blocks:
                     w = load(s["raw"].at[stage, :, pl.ds(DB * (b // 2), DB)], wgmma)
                     k = _to_bf16(_byte(w, b % 2))
-                    s["v"][b] = jax.lax.cond(hidden, _zero_nan, lambda k: k, k) if fmt.causal else k
+                    s["v"][b] = jnp.where(jnp.isnan(k), 0, k) if fmt.causal else k
                     q_t = plgpu.transpose_ref(s["q_lat"].at[b], (1, 0))
                     plgpu.wgmma(accs[acc_of(b)], k, q_t)
                 if c == 0:
@@ -509,10 +502,7 @@ def _kernel(*refs, fmt: RowFormat, **smem):
             ids = load(s["ids"].at[stage], per_key)
             if chunk_scales:
                 sc = [load(s["sc"].at[stage, ch], per_key) for ch in chunks]
-            # the last tiles only: row r's bound is total - qlen + r // H, so every row sees
-            # every key of a tile ending at or before position total - qlen
-            hidden = lo + (t + 1) * T > total - fmt.qlen + 1 if fmt.causal else None
-            parts = scores(stage, hidden)
+            parts = scores(stage)
             plgpu.barrier_arrive(s["consumed"].at[stage])  # this consumer's reads of it are done
             if chunk_scales:
                 mine = parts[len(chunks)] if c == 0 else None
