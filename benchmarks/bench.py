@@ -2,7 +2,7 @@
 
     python benchmarks/bench.py [--ops sparse_mla,mla_decode,ultraquant_decode]
         [--implementations xla,pallas,... | all] [--quick] [--samples 20] [--sample-ms 50]
-        [--l2-flush] [--profiler] [--no-flashmla] [--json PATH]
+        [--l2-flush] [--profiler] [--no-flashmla] [--json PATH] [--decode-heads 12,128]
 
 Implementations: by default every name in the op's implementation table that runs natively on
 this machine: "xla" everywhere; "pallas" and "mosaic" on CUDA; "flydsl" on gfx950; other names
@@ -59,6 +59,7 @@ import glob
 import hashlib
 import importlib
 import importlib.metadata
+import itertools
 import math
 import os
 import platform
@@ -100,7 +101,7 @@ class Shapes:
     decode_batches: tuple[int, ...]
     decode_seqs: tuple[int, ...]
     decode_qlens: tuple[int, ...]
-    decode_heads: int
+    decode_heads: tuple[int, ...]
     uq_batches: tuple[int, ...]
     uq_seq: int
     uq_kv_heads: int
@@ -116,7 +117,7 @@ FULL = Shapes(
     decode_batches=(1, 32, 128),
     decode_seqs=(8192, 32768),
     decode_qlens=(1, 2),
-    decode_heads=12,
+    decode_heads=(12,),
     uq_batches=(1, 32, 128),
     uq_seq=32768,
     uq_kv_heads=8,
@@ -131,7 +132,7 @@ QUICK = Shapes(
     decode_batches=(2,),
     decode_seqs=(256,),
     decode_qlens=(1, 2),
-    decode_heads=12,
+    decode_heads=(12,),
     uq_batches=(2,),
     uq_seq=256,
     uq_kv_heads=8,
@@ -199,7 +200,6 @@ def sparse_mla_cases(key, s: Shapes) -> Iterator[Case]:
 
 def mla_decode_cases(key, s: Shapes) -> Iterator[Case]:
     k = jax.random.split(key, 3)
-    heads = s.decode_heads
     for b in s.decode_batches:
         for seq in s.decode_seqs:
             tokens = b * seq
@@ -207,7 +207,7 @@ def mla_decode_cases(key, s: Shapes) -> Iterator[Case]:
             pages = jax.random.permutation(k[1], tokens // PAGE)  # pages in random order
             kv_indices = (pages[:, None] * PAGE + jnp.arange(PAGE)).reshape(-1).astype(jnp.int32)
             kv_indptr = jnp.arange(b + 1, dtype=jnp.int32) * seq
-            for qlen in s.decode_qlens:
+            for heads, qlen in itertools.product(s.decode_heads, s.decode_qlens):
                 q = _q(k[2], (b * qlen, heads, 576))
                 yield Case(
                     op="mla_decode",
@@ -853,6 +853,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profiler", action="store_true", help="also jax.profiler device times")
     p.add_argument("--no-flashmla", action="store_true", help="skip FlashMLA even if importable")
     p.add_argument("--json", default=None, help="write the environment and rows here")
+    p.add_argument("--decode-heads", default=None, help="comma list of mla_decode head counts (12)")
     args = p.parse_args(argv)
     args.samples = args.samples if args.samples is not None else (10 if args.quick else 20)
     if args.samples < 10:
@@ -867,12 +868,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown op(s) {unknown}; choose from {OPS}")
     if args.implementations is not None:
         args.implementations = [n for n in args.implementations.split(",") if n]
+    if args.decode_heads is not None:
+        try:
+            args.decode_heads = tuple(int(h) for h in args.decode_heads.split(",") if h)
+        except ValueError:
+            args.decode_heads = ()
+        if not args.decode_heads or min(args.decode_heads) < 1:
+            p.error("--decode-heads must be a comma list of positive integers, e.g. 12,128")
     return args
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     shapes = QUICK if args.quick else FULL
+    if args.decode_heads is not None:
+        shapes = dataclasses.replace(shapes, decode_heads=args.decode_heads)
     platforms = machine_platforms()
     flashmla, flashmla_status = (None, "off (--no-flashmla)")
     if not args.no_flashmla:

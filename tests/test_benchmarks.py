@@ -190,3 +190,22 @@ def test_flashmla_adapter_layout():
     assert row["diff_vs"] == "xla" and "padded 16 -> 64" in row["note"]
     assert 0 <= row["max_abs_diff"] < 1 and 0 <= row["lse_max_abs_diff"] < 1e-2
     assert 0 < row["min_s"] <= row["median_s"] <= row["max_s"]
+
+
+def test_decode_heads_option_sets_the_decode_cases_head_counts(capsys):
+    bench = _load_bench()
+    args = bench.parse_args(["--quick", "--decode-heads", "16,128"])
+    assert args.decode_heads == (16, 128)
+    assert bench.parse_args(["--quick"]).decode_heads is None  # the shapes' own (12)
+    shapes = dataclasses.replace(bench.QUICK, decode_heads=args.decode_heads)
+    cases = list(bench.mla_decode_cases(jax.random.PRNGKey(0), shapes))
+    assert len(cases) == 2 * len(shapes.decode_qlens)
+    for case in cases:
+        q = case.args[0]
+        assert q.shape == (case.params["B"] * case.params["qlen"], case.params["H"], 576)
+        assert case.name.endswith(f"H={case.params['H']}")
+    assert {c.params["H"] for c in cases} == {16, 128}
+    for bad in ("", "12,x", "0", "-4"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--decode-heads", bad])
+        assert "--decode-heads must be a comma list of positive integers" in capsys.readouterr().err
