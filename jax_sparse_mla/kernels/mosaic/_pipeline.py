@@ -157,6 +157,12 @@ def stages_for(fmt: RowFormat) -> int:
     return max(1, min(MAX_STAGES, (SMEM_BYTES - fixed) // (T * per_row)))
 
 
+def row_blocks(fmt: RowFormat, heads: int) -> int:
+    """CTAs per query row or decode request (and split): its qlen * heads rows in blocks of
+    ``fmt.m``."""
+    return -(-(fmt.qlen * heads) // fmt.m)
+
+
 def permute_latent(rows, hbs: int, m: int):
     """[G, R, 512] -> [G, hbs, LATENT_BLOCKS, m, DB]: rows padded to hbs * m; block 2c + p
     holds dims 128c + 2j + p (the order of a row's uint16 words)."""

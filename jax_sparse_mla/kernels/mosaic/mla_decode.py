@@ -30,6 +30,7 @@ from jax_sparse_mla.kernels.mosaic._pipeline import (
     merge_splits,
     per_element_vmap,
     permute_latent,
+    row_blocks,
     work,
 )
 from jax_sparse_mla.reference.mla_decode import SPLIT_ALIGN
@@ -49,11 +50,6 @@ def row_format(qlen: int, heads: int) -> RowFormat:
         qlen=qlen,
         m=16 if qlen * heads <= 16 else 32,
     )
-
-
-def row_blocks(fmt: RowFormat, heads: int) -> int:
-    """CTAs per request (and split): its qlen * heads rows in blocks of ``fmt.m``."""
-    return -(-(fmt.qlen * heads) // fmt.m)
 
 
 def permute_q(q, b: int, qlen: int, hbs: int, m: int):

@@ -26,6 +26,7 @@ from jax_sparse_mla.kernels.mosaic._pipeline import (
     merge_splits,
     per_element_vmap,
     permute_latent,
+    row_blocks,
     work,
 )
 from jax_sparse_mla.reference.sparse_mla import no_keys
@@ -64,7 +65,7 @@ def sparse_mla_mosaic(q, kv, idx, indptr, sm_scale):
     nnz = idx.shape[0]
     if n_q == 0 or h == 0 or nnz == 0 or records.shape[0] == 0:
         return no_keys(n_q, h)
-    hbs = -(-h // FORMAT.m)
+    hbs = row_blocks(FORMAT, h)
     splits = choose_splits(n_q * hbs, nnz / T / n_q)
     entries = work(indptr, nnz, splits, T)
     o, lse = attention(FORMAT, records, idx, entries, *permute_q(q, hbs), sm_scale, 1.0)
