@@ -19,6 +19,7 @@ from jax_sparse_mla._platform import by_platform, gfx950_or, hopper_or
 from jax_sparse_mla.emulation.ultraquant import ultraquant_decode_gfx950_emulation
 from jax_sparse_mla.ffi.calls import ultraquant_decode_flydsl, ultraquant_unsupported
 from jax_sparse_mla.formats import UQ_HEAD_DIM, check_ultraquant_cache
+from jax_sparse_mla.kernels.mosaic.ultraquant import mosaic_or, ultraquant_decode_mosaic_cuda
 from jax_sparse_mla.kernels.pallas.ultraquant import (
     ultraquant_decode_kernel,
     ultraquant_decode_pallas,
@@ -30,8 +31,9 @@ DEFAULT_SM_SCALE = 1.0 / 16.0
 
 # implementation name -> fn(q, cache, block_tables, seq_lens, *, sm_scale, num_partitions) -> bf16
 # (num_partitions None: the implementation's choice); None is the choice of
-# implementation=None: the FlyDSL kernels on gfx950 (ROCm), the Pallas kernel on Hopper GPUs,
-# "xla" everywhere else. Every gradient is the "xla" path's.
+# implementation=None: the FlyDSL kernels on gfx950 (ROCm), the Mosaic GPU kernel on Hopper
+# itself (the Pallas one past it, or for shapes the Mosaic kernel does not take), "xla"
+# everywhere else. Every gradient is the "xla" path's.
 _IMPLEMENTATIONS = {
     "xla": ultraquant_decode_xla,
     **{
@@ -39,10 +41,15 @@ _IMPLEMENTATIONS = {
         for name, fn in {
             "gfx950_emulation": ultraquant_decode_gfx950_emulation,
             "pallas": ultraquant_decode_pallas,
+            "mosaic": ultraquant_decode_mosaic_cuda,
             "flydsl": ultraquant_decode_flydsl,
             None: by_platform(
                 default=ultraquant_decode_xla,
-                cuda=hopper_or(ultraquant_decode_kernel, ultraquant_decode_xla),
+                cuda=hopper_or(
+                    ultraquant_decode_kernel,
+                    ultraquant_decode_xla,
+                    mosaic_or(ultraquant_decode_kernel),
+                ),
                 rocm=gfx950_or(
                     "ultraquant",
                     ultraquant_decode_flydsl,
@@ -86,13 +93,17 @@ def ultraquant_decode(
         dim)). A model passes its own: 1 / sqrt(its q/k head dim), times YaRN's ``mscale ** 2``
         (``mscale = 0.1 * mscale_all_dim * ln(factor) + 1``) when it uses YaRN, as DeepSeek-V3.2
         does for MLA (``192 ** -0.5 * mscale ** 2 ≈ 0.1352``, see ``sparse_mla``).
-      num_partitions: P (static; default 1 for "xla", enough to fill the GPU for "pallas"):
-        for "xla" partition p owns the tile-groups p, p + P, ..., for "pallas" a contiguous
-        run of tokens; the partitions are reduced in float32 at the end, so the answer does
-        not depend on P.
-      implementation: None (the Pallas kernel on Hopper GPUs, "xla" elsewhere), "xla",
-        "pallas" (compiled on CUDA, Pallas interpret mode elsewhere), "flydsl" or
-        "gfx950_emulation" (the gfx950 kernels' own arithmetic in jnp, every platform).
+      num_partitions: P (static; default 1 for "xla", enough to fill the GPU for "pallas" and
+        "mosaic"): for "xla" partition p owns the tile-groups p, p + P, ..., for "pallas" and
+        "mosaic" a contiguous run of tokens; the partitions are reduced in float32 at the end,
+        so the answer does not depend on P.
+      implementation: None (the FlyDSL kernels on an MI355; on a Hopper GPU the Mosaic GPU
+        kernel, or the Pallas one past 32 query heads per KV head or for a slot_bytes that is
+        not a multiple of 16; the Pallas kernel on later NVIDIA GPUs; "xla" elsewhere), "xla",
+        "pallas" (compiled on CUDA, Pallas interpret mode elsewhere), "mosaic" (the Mosaic GPU
+        kernel: NVIDIA Hopper only, the same numerics as "pallas"; NotImplementedError for the
+        shapes above), "flydsl" or "gfx950_emulation" (the gfx950 kernels' own arithmetic in
+        jnp, every platform).
       validate: run ``validate_ultraquant_decode``'s data checks (ValueError on concrete
         inputs or inside ``checked``; otherwise under ``jax.jit`` a
         ``jax.errors.JaxRuntimeError`` with the same message).

@@ -5,7 +5,7 @@ test_properties, test_memory, test_causal, test_gradients, test_indptr, test_inp
 parametrized per op over ``available(op)``: the names of that op's implementation table that
 run here. Those are the exact "xla" path, the gfx950 emulation, "pallas" (compiled on a CUDA GPU,
 Pallas interpret mode elsewhere), on a Hopper NVIDIA GPU (sm_90) only "mosaic" (the Mosaic GPU
-kernels: no interpret mode; every op but ultraquant_decode) and, on an MI355 (gfx950) only, the
+kernels: no interpret mode; every op) and, on an MI355 (gfx950) only, the
 "flydsl" kernels. A test of one op is parametrized with that op's decorator (``each_sparse``,
 ``each_decode``, ``each_partials``, ``each_merge``, ``each_ultraquant``), a test that runs
 several ops with ``each_of(*ops)`` (the names every one of them has). Each implementation is

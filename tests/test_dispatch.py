@@ -1,6 +1,6 @@
-"""Implementation names per op: "mosaic" (the Mosaic GPU kernel, sparse_mla only) is refused by
-name by the ops that lack it and fails off CUDA naming what it needs; tests/impls.py lists for
-each op only the implementations its table has and that run on this machine."""
+"""Implementation names per op: "mosaic" (the Mosaic GPU kernels, every op) fails off CUDA
+naming what it needs; tests/impls.py lists for each op only the implementations its table has
+and that run on this machine."""
 
 import importlib
 
@@ -32,15 +32,8 @@ def _mosaic_calls():
     }
 
 
-@pytest.mark.parametrize("jit", [False, True])
-def test_ultraquant_refuses_mosaic_by_name(jit):
-    call = _mosaic_calls()["ultraquant_decode"]
-    with pytest.raises(NotImplementedError, match=r"ultraquant_decode: .*has no 'mosaic'"):
-        jax.jit(call)() if jit else call()
-
-
 @pytest.mark.skipif(impls.has_cuda(), reason="off CUDA only: on a CUDA GPU 'mosaic' runs")
-@pytest.mark.parametrize("op", ["sparse_mla", "mla_decode", "mla_decode_partials"])
+@pytest.mark.parametrize("op", sorted(_mosaic_calls()))
 @pytest.mark.parametrize("jit", [False, True])
 def test_mosaic_off_cuda_needs_an_nvidia_hopper_gpu(op, jit):
     """No interpret mode: off CUDA the call fails when run (a host callback's error, which XLA
@@ -68,8 +61,6 @@ def test_mosaic_is_a_known_name():
 # ---------------------------------------------------------------------------------------------
 
 OPS = tuple(impls.OP_MODULES)
-WITH_MOSAIC = ("sparse_mla", "mla_decode", "mla_decode_partials", "merge_attn_states")
-WITHOUT_MOSAIC = ("ultraquant_decode",)
 
 
 def _clear():
@@ -108,25 +99,19 @@ def test_available_per_op_is_the_ops_table(op):
 def test_mosaic_only_on_a_hopper_gpu():
     """This machine: "mosaic" is listed exactly when a Hopper CUDA GPU (sm_90) is here."""
     assert ("mosaic" in impls.available()) == (impls.has_cuda() and impls.cuda_is_sm90())
-    for op in WITH_MOSAIC:
+    for op in OPS:
         assert ("mosaic" in impls.available(op)) == ("mosaic" in impls.available())
-    for op in WITHOUT_MOSAIC:
-        assert "mosaic" not in impls.available(op)
 
 
 def test_faked_hopper_lists_mosaic_for_the_ops_that_have_it(machine):
     machine(cuda=True, hopper=True)
     with_mosaic = ("xla", "gfx950_emulation", "pallas", "mosaic")
     assert impls.available() == with_mosaic
-    for op in WITH_MOSAIC:
+    for op in OPS:
         assert impls.available(op) == with_mosaic, op
         # _platform.hopper_choice; None merges partials with the Pallas kernel
         assert impls.default(op) == ("pallas" if op == "merge_attn_states" else "mosaic"), op
-    for op in WITHOUT_MOSAIC:
-        assert impls.available(op) == ("xla", "gfx950_emulation", "pallas"), op
-        assert impls.default(op) == "pallas", op
-    assert impls.common("sparse_mla", "mla_decode") == with_mosaic
-    assert impls.common("sparse_mla", "ultraquant_decode") == ("xla", "gfx950_emulation", "pallas")
+    assert impls.common("sparse_mla", "mla_decode", "ultraquant_decode") == with_mosaic
 
 
 def test_faked_later_gpu_runs_pallas_not_mosaic(machine):

@@ -1,9 +1,9 @@
-"""The Mosaic GPU kernels (sparse_mla, mla_decode) on any machine: their layout helpers
-against NumPy, and their CUDA lowering (lowered here without a GPU).
+"""The Mosaic GPU kernels (sparse_mla, mla_decode, ultraquant_decode) on any machine: their
+layout helpers against NumPy, and their CUDA lowering (lowered here without a GPU).
 
-Their numerics run in the shared suites (tests/test_sparse_mla.py, test_mla_decode.py and the
-others, through tests/impls.py) on a Hopper GPU only: the kernels are inline PTX and wgmma and
-have no interpret mode.
+Their numerics run in the shared suites (tests/test_sparse_mla.py, test_mla_decode.py,
+test_ultraquant.py and the others, through tests/impls.py) on a Hopper GPU only: the kernels
+are inline PTX and wgmma and have no interpret mode.
 """
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ from jax_sparse_mla import _platform
 from jax_sparse_mla.kernels.mosaic import _pipeline as P
 from jax_sparse_mla.kernels.mosaic import mla_decode as D
 from jax_sparse_mla.kernels.mosaic import sparse_mla as K
+from jax_sparse_mla.kernels.mosaic import ultraquant as U
 
 FORMATS = {
     "sparse_mla": K.FORMAT,
     "mla_decode": D.row_format(1, 16),
     "causal, 16 rows": D.row_format(2, 8),
     "causal, 32 rows": D.row_format(2, 12),
+    "ultraquant": U.row_format(8, 16),
+    "ultraquant, 32 rows": U.row_format(24, 64),
 }
 
 
@@ -139,22 +142,41 @@ def test_stages_fit_shared_memory(name):
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_staged_rows_are_bank_conflict_free(name):
-    """The consumers read 16-byte slices of 8 consecutive staged rows at one column: with a
-    pitch of 4 mod 8 words (and 16-byte aligned) they fall on 32 distinct banks."""
+    """The consumers read uint16 words (4 bytes per thread) of 8 consecutive staged rows at one
+    column, 16 bytes per row: with a pitch of 4 mod 8 words (and 16-byte aligned) they fall on
+    32 distinct banks. UltraQuant reads uint32 words (8 bytes per thread), 32 bytes per row,
+    a half warp's 4 rows at a time: a pitch of 8 mod 32 words."""
     fmt = FORMATS[name]
     assert fmt.pitch % 16 == 0 and fmt.pitch >= fmt.row_bytes and fmt.row_bytes % 16 == 0
-    banks = {(row * fmt.pitch // 4 + word) % 32 for row in range(8) for word in range(4)}
+    rows, words = (4, 8) if fmt.fp4 else (8, 4)
+    banks = {(row * fmt.pitch // 4 + word) % 32 for row in range(rows) for word in range(words)}
     assert len(banks) == 32
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
-def test_gather_ptx_copies_scales_only_for_fp8_ds_mla(name):
+def test_gather_ptx_copies_each_scale_word_once(name):
     fmt = FORMATS[name]
-    text = P.gather_ptx(fmt, 1000)
+    stride = 8 * fmt.row_bytes if fmt.fp4 else fmt.row_bytes
+    text = P.gather_ptx(fmt, 1024, stride)
     assert f"mul.wide.u32 dst, lane, {fmt.pitch};" in text
     assert f"[src], {fmt.row_bytes}, [$3]" in text
-    assert ("cp.async.mbarrier.arrive" in text) == (fmt.scales_offset is not None)
-    assert "mul.wide.s32 src, k0" in text  # 64-bit byte offsets: caches past 4 GiB
+    assert f"mul.wide.s32 src, k0, {stride};" in text  # 64-bit byte offsets: caches past 4 GiB
+    copied = [
+        int(x)
+        for x in re.findall(r"cp\.async\.ca\.shared\.global \[st\+\d+\], \[src\+(\d+)\]", text)
+    ]
+    assert copied == list(fmt.scale_words)
+    assert ("cp.async.mbarrier.arrive" in text) == bool(fmt.scale_words)
+
+
+def test_paged_gather_reads_the_block_table_itself():
+    """UltraQuant's producer turns positions into slots from the block table (page = position
+    / block size, masked outside [0, num_blocks)): no slot list is built."""
+    text = P.gather_ptx(U.row_format(8, 48), 48 * 10, 2 * 272)
+    for line in ("div.u32 page, pos, 48;", "rem.u32 off, pos, 48;", "@ok setp.lt.s32 ok, key, 10;"):
+        assert line in text
+    assert "mad.lo.s32 key, key, 48, off;" in text
+    assert "add.u64 src, src, head;" in text  # the CTA's KV head within the token's row
 
 
 def _lowered_text(n_q, h, rows, topk, implementation="mosaic"):
@@ -287,6 +309,121 @@ def test_decode_vmap_runs_the_kernel_once_per_batch_element():
     )
     fn = jax.vmap(
         lambda q, kv, i, p: jsm.mla_decode(q, kv, i, p, implementation="mosaic"), (0, None, 0, 0)
+    )
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    assert "stablehlo.while" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# ultraquant_decode
+# ---------------------------------------------------------------------------------------------
+
+
+def _operand_dim(k: int, n: int, j: int) -> int:
+    """The dim ``_fp4_operand``'s docstring puts in column j of operand n of slice k: nibble
+    n % 4 + 4 (j % 2) of uint32 word 2 (j // 2) + n // 4 (nibble i of word w: dim 8w + i)."""
+    return 128 * k + 8 * (2 * (j // 2) + n // 4) + n % 4 + 4 * (j % 2)
+
+
+def test_fp4_q_orders_each_piece_as_the_operands():
+    m, hbs = 16, 2
+    x = np.random.default_rng(0).normal(size=(1, P.Q_PIECES, hbs * m - 3, 256))
+    q = np.asarray(P.fp4_q(jnp.asarray(x, jnp.float32), hbs, m))
+    assert q.shape == (1, hbs, P.Q_PIECES * P.FP4_SLICES, m, P.FP4_WORDS)
+    rows = np.concatenate([x, np.zeros((1, P.Q_PIECES, 3, 256))], axis=2).astype(np.float32)
+    for piece in range(P.Q_PIECES):
+        for k in range(2):
+            for n in range(8):
+                dims = [_operand_dim(k, n, j) for j in range(P.FP4_WORDS)]
+                got = q[0, :, piece * P.FP4_SLICES + 8 * k + n].reshape(hbs * m, -1)
+                np.testing.assert_array_equal(got, rows[0, piece][:, dims])
+
+
+def test_unpermute_fp4_inverts_the_v_operand_order():
+    """O^T row 128k + 16n + j holds V operand n's column j of slice k."""
+    operand_order = np.zeros(256)
+    for k in range(2):
+        for n in range(8):
+            for j in range(16):
+                operand_order[128 * k + 16 * n + j] = _operand_dim(k, n, j)
+    natural = np.asarray(P.unpermute_fp4(jnp.asarray(operand_order[None, None])))[0, 0]
+    np.testing.assert_array_equal(natural, np.arange(256))
+
+
+def test_fp4_ptx_tables_are_the_e2m1_values_times_2_to_the_minus_6():
+    """The two ``prmt`` tables (low and high bytes of bf16 bits, code m is byte m) against the
+    E2M1 magnitudes, and the sign moved from each nibble's bit 3 to bit 15 of its half."""
+    tables = re.findall(r"prmt\.b32 \w+, (0x[0-9A-F]{8}), (0x[0-9A-F]{8}), sel;", P._FP4_PTX)
+    (lo_a, lo_b), (hi_a, hi_b) = ((int(a, 16), int(b, 16)) for a, b in tables)
+    byte = lambda a, b, i: ((b << 32 | a) >> (8 * i)) & 0xFF  # noqa: E731
+    for m, value in enumerate([0, 0.5, 1, 1.5, 2, 3, 4, 6]):
+        bits = byte(hi_a, hi_b, m) << 8 | byte(lo_a, lo_b, m)
+        got = np.array([bits << 16], np.uint32).view(np.float32)[0]
+        assert got == value * 2.0**-6, m
+    for n in range(4):
+        text = P._FP4_PTX.replace("SIGN_SHIFT", str(12 - 4 * n))
+        shift = int(re.search(r"shl\.b32 sg, \$1, (\d+);", text).group(1))
+        assert (((1 << (4 * n + 3)) << shift) & 0xFFFF) == 0x8000  # nibble n's sign -> bit 15
+
+
+def _uq_lowered_text(b, hq, hk, slot_bytes=272, implementation="mosaic", blocks=40):
+    args = (
+        jax.ShapeDtypeStruct((b, hq, 256), jnp.bfloat16),
+        jax.ShapeDtypeStruct((blocks, 16, hk, slot_bytes), jnp.uint8),
+        jax.ShapeDtypeStruct((b, 7), jnp.int32),
+        jax.ShapeDtypeStruct((b,), jnp.int32),
+    )
+    fn = jax.jit(functools.partial(jsm.ultraquant_decode, implementation=implementation))
+    return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("hq,hk", [(8, 1), (16, 2), (24, 1), (2, 2)])
+def test_ultraquant_cuda_lowering_hands_the_cache_itself_to_the_kernel(hq, hk):
+    """One Mosaic GPU call whose cache operand is the argument reshaped (a view: one row of Hk
+    slots per token) and whose index operand is the block table itself: no slot list."""
+    text = _uq_lowered_text(3, hq, hk)
+    calls = re.findall(r"stablehlo\.custom_call @mosaic_gpu\w*\(([^)]*)\)", text)
+    assert len(calls) == 1, text[:2000]
+    cache, table = (x.strip() for x in calls[0].split(",")[:2])
+    assert re.search(
+        rf"{cache} = stablehlo\.reshape %arg1 : .* -> tensor<640x{272 * hk}xui8>", text
+    )
+    assert re.search(rf"{table} = stablehlo\.reshape %arg2 : .* -> tensor<21xi32>", text)
+
+
+@pytest.mark.parametrize("sm90", [True, False])
+@pytest.mark.parametrize("hq,hk,slot_bytes", [(8, 1, 272), (32, 1, 288), (33, 1, 272), (4, 2, 276)])
+def test_ultraquant_none_lowers_to_mosaic_on_hopper_where_it_can(
+    monkeypatch, sm90, hq, hk, slot_bytes
+):
+    """implementation=None for CUDA: the Mosaic GPU kernel on a Hopper GPU up to 32 query heads
+    per KV head with slots a multiple of 16 bytes (its bulk copies), else the Pallas one."""
+    monkeypatch.setattr(_platform, "cuda_is_sm90", lambda: sm90)
+    text = _uq_lowered_text(2, hq, hk, slot_bytes, implementation=None)
+    mosaic = sm90 and hq // hk <= 32 and slot_bytes % 16 == 0
+    assert ("@mosaic_gpu" in text) == mosaic
+    assert ("__gpu$xla.gpu.triton" in text) == (not mosaic)
+
+
+@pytest.mark.parametrize(
+    "hq,slot_bytes,why", [(33, 272, "at most 32 query heads"), (8, 276, "multiple of 16")]
+)
+def test_ultraquant_mosaic_refuses_what_it_cannot_run_by_name(hq, slot_bytes, why):
+    with pytest.raises(NotImplementedError, match=why):
+        _uq_lowered_text(2, hq, 1, slot_bytes)
+
+
+def test_ultraquant_vmap_runs_the_kernel_once_per_batch_element():
+    args = (
+        jax.ShapeDtypeStruct((3, 2, 8, 256), jnp.bfloat16),
+        jax.ShapeDtypeStruct((40, 16, 1, 272), jnp.uint8),
+        jax.ShapeDtypeStruct((3, 2, 7), jnp.int32),
+        jax.ShapeDtypeStruct((3, 2), jnp.int32),
+    )
+    fn = jax.vmap(
+        lambda q, c, t, s: jsm.ultraquant_decode(q, c, t, s, implementation="mosaic"),
+        (0, None, 0, 0),
     )
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1

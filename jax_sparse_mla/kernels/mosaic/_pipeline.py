@@ -1,7 +1,9 @@
 """The warp-specialized attention pipeline of the Mosaic GPU kernels (Hopper, sm_90a).
 
-Both Mosaic kernels (``sparse_mla`` over fp8_ds_mla records, ``mla_decode`` over the fp8 latent
-cache) run this one kernel body, told apart by a ``RowFormat``. One CTA owns ``m`` = 16 or 32
+The Mosaic kernels (``sparse_mla`` over fp8_ds_mla records, ``mla_decode`` over the fp8 latent
+cache, ``ultraquant_decode`` over 4-bit UltraQuant slots) run this one kernel body, told apart by
+a ``RowFormat``; the text below describes the latent formats, ``_fp4_scores`` what UltraQuant
+does differently (its own K and V of 256 dims, read as uint32 words). One CTA owns ``m`` = 16 or 32
 query rows (heads, or a request's (position, head) rows) and one split of a key list, walked in
 tiles of ``T`` = 64 keys. Three warpgroups:
 
@@ -44,9 +46,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy
 from jax.experimental import pallas as pl
 
-from jax_sparse_mla.formats import LATENT_DIM, ROPE_DIM
+from jax_sparse_mla.formats import LATENT_DIM, ROPE_DIM, UQ_HEAD_DIM, UQ_V_CODES
 from jax_sparse_mla.reference.attention import merge_partials
 
 T = 64  # keys per tile (one SMEM stage; wgmma's M for the transposed scores)
@@ -54,7 +57,6 @@ DB = 64  # dims per operand block (128 bytes of bf16: one swizzled row)
 CHUNKS = 4  # latent chunks of 128 dims (fp8_ds_mla's scale blocks)
 LATENT_BLOCKS = 2 * CHUNKS  # (chunk, parity) operand blocks of the latent dims
 CONSUMERS = 2  # consumer warpgroups per CTA, each owning CHUNKS // CONSUMERS latent chunks
-OWN = LATENT_BLOCKS // CONSUMERS  # operand blocks (chunk, parity) per consumer: 4
 SMEM_BYTES = 227 * 1024  # an H200 CTA's shared memory
 SMEM_SLACK = 12288  # barriers, reduction scratch and alignment, measured on the CUDA lowering
 MAX_STAGES = 4
@@ -66,46 +68,83 @@ PRODUCER_BARRIER = 15  # a named barrier id that Mosaic GPU's own (1 + warpgroup
 CONSUMER_BARRIER = 14  # the consumers' named barrier (128 * CONSUMERS threads), likewise free
 PRODUCER_REGISTERS = 40
 MAX_ROWS = 2**31  # the gather's record indices are int32
+Q_PIECES = 3  # bf16 pieces of UltraQuant's float32 rotated q (their sum is q exactly)
+FP4_WORDS = 16  # uint32 words of an UltraQuant slice: 128 dims, four 32-dim scale groups
+FP4_SLICES = UQ_HEAD_DIM // FP4_WORDS  # K=16 operands of K (or V): 8 nibbles of 2 slices
 
 
 class RowFormat(NamedTuple):
     """What the kernel body needs to know of one cache format (all static).
 
-    row_bytes: bytes of one key's row in the cache (one ``cp.async.bulk``, a multiple of 16).
-    pitch: SMEM bytes per staged row: ``row_bytes`` or a little more, such that 8 rows' 16-byte
-      slices at one column land on 32 distinct banks (pitch / 4 = 4 mod 8 words).
-    scales_offset: byte offset of the row's CHUNKS float32 scales (per-chunk dequantization, a
-      factor of the chunk's partial scores and of P), or None: one scale per call.
-    rope_word: first uint16 word of the rope's 64 dims.
+    row_bytes: bytes of one key's row (one ``cp.async.bulk``, a multiple of 16).
+    pitch: SMEM bytes per staged row: ``row_bytes`` or a little more, such that the words the
+      consumers read of 8 rows at one column land on 32 distinct banks (pitch / 4 = 4 mod 8
+      words for the uint16 reads, 8 mod 32 for ``fp4``'s 8-byte uint32 reads).
+    scale_words: byte offsets in the row of 4-byte words the producer copies beside the row
+      into ``sc[word, key]``: fp8_ds_mla's CHUNKS float32 chunk scales (factors of the chunk's
+      partial scores and of P), UltraQuant's two words of K and two of V group-scale bytes; ()
+      for one scale per call.
+    rope_word: first uint16 word of the rope's 64 dims (no rope with ``fp4``).
     rope_fp8: the rope is 64 e4m3 codes (two 32-dim parity blocks), else 64 bf16 values.
     qlen: query positions per request; past 1 the rows are causal: row r (position r // H of
       ``qlen``) sees key positions j <= length - qlen + r // H, and V codes that are NaN are
       zeroed (a hidden NaN key must not reach a row; a visible one already made its score NaN).
     m: query rows per CTA, 16 or 32 (wgmma's N for the scores and the output).
+    fp4: UltraQuant slots (``_fp4_scores``): 256-dim K and V of E2M1 codes; a cache row
+      holds one slot of ``row_bytes`` per KV head and head block hb reads slot hb.
+    page_size: 0 when ``idx`` lists cache rows; else the keys are a paged request's positions
+      and ``idx`` holds block tables (``gather_ptx``), pages of ``page_size`` cache rows.
     """
 
     row_bytes: int
     pitch: int
-    scales_offset: int | None
+    scale_words: tuple[int, ...]
     rope_word: int
     rope_fp8: bool
     qlen: int = 1
     m: int = 16
+    fp4: bool = False
+    page_size: int = 0
 
     @property
     def causal(self) -> bool:
         return self.qlen > 1
 
     @property
+    def chunk_scales(self) -> bool:
+        """Per-chunk scales that multiply partial scores and P (fp8_ds_mla)."""
+        return bool(self.scale_words) and not self.fp4
+
+    @property
     def rope_blocks(self) -> int:
-        """Rope operand blocks: two parity blocks of 32 dims (fp8), or one of 64 (bf16)."""
-        return 2 if self.rope_fp8 else 1
+        """Rope operand blocks: two parity blocks of 32 dims (fp8), one of 64 (bf16), none."""
+        return 0 if self.fp4 else 2 if self.rope_fp8 else 1
+
+    @property
+    def dims(self) -> int:
+        """Output (V) dims: the latent's 512, or UltraQuant's 256."""
+        return UQ_HEAD_DIM if self.fp4 else LATENT_DIM
+
+    @property
+    def out_blocks(self) -> int:
+        """O^T blocks of DB dims (wgmma's M for P @ V), CONSUMERS * ``own_blocks``."""
+        return self.dims // DB
+
+    @property
+    def own_blocks(self) -> int:
+        """O^T blocks (and for the latent also K operand blocks) of one consumer."""
+        return self.out_blocks // CONSUMERS
+
+    @property
+    def q_elems(self) -> int:
+        """bf16 elements of one query row's operand in SMEM."""
+        return Q_PIECES * UQ_HEAD_DIM if self.fp4 else LATENT_DIM + ROPE_DIM
 
     @property
     def p_blocks(self) -> int:
         """bf16 P^T blocks: one per latent chunk (each scaled by its chunk's scales), or one
         per consumer."""
-        return CHUNKS if self.scales_offset is not None else CONSUMERS
+        return CHUNKS if self.chunk_scales else CONSUMERS
 
 
 def _mgpu():
@@ -148,12 +187,12 @@ def stages_for(fmt: RowFormat) -> int:
     scores and output staging (f32)."""
     m = fmt.m
     fixed = (
-        ((LATENT_BLOCKS * DB + ROPE_DIM) * m + fmt.p_blocks * T * m + LATENT_BLOCKS * T * DB) * 2
+        (fmt.q_elems * m + fmt.p_blocks * T * m + fmt.dims * T) * 2
         + CONSUMERS * (DB * m + T * m) * 4
         + 2 * T * 4
         + SMEM_SLACK
     )
-    per_row = fmt.pitch + 4 + (4 * CHUNKS if fmt.scales_offset is not None else 0)
+    per_row = fmt.pitch + 4 + 4 * len(fmt.scale_words)
     return max(1, min(MAX_STAGES, (SMEM_BYTES - fixed) // (T * per_row)))
 
 
@@ -178,11 +217,39 @@ def unpermute_out(o):
     return o.reshape(*lead, CHUNKS, 2, DB).swapaxes(-1, -2).reshape(*lead, LATENT_DIM)
 
 
+# An UltraQuant slice's dim 128k + 16p + 8a + 4e + b (nibble 4e + b of uint32 word 2p + a of
+# slice k) is column 2p + e of K=16 operand n = 4a + b (``_fp4_operand``): the axes (k, p, a,
+# e, b) of the natural order, taken as (k, a, b, p, e).
+_FP4_ORDER = (0, 2, 4, 1, 3)
+
+
+def fp4_q(pieces, hbs: int, m: int):
+    """UltraQuant q operand: [G, Q_PIECES, R, 256] bf16 pieces of the rotated q -> [G, hbs,
+    Q_PIECES * FP4_SLICES, m, FP4_WORDS] with rows padded to hbs * m; operand 8k + n of a
+    piece holds the dims ``_fp4_operand`` puts in K operand n of slice k."""
+    g, _, r, _ = pieces.shape
+    x = jnp.pad(pieces, ((0, 0), (0, 0), (0, m * hbs - r), (0, 0)))
+    x = x.reshape(g, Q_PIECES, hbs, m, CONSUMERS, 8, 2, 2, 4)
+    x = x.transpose(
+        0, 2, 1, *(4 + axis for axis in _FP4_ORDER[:3]), 3, *(4 + axis for axis in _FP4_ORDER[3:])
+    )
+    return x.reshape(g, hbs, Q_PIECES * FP4_SLICES, m, FP4_WORDS)
+
+
+def unpermute_fp4(o):
+    """[..., 256] in operand order (O^T row 128k + 16n + j: column j of V operand n of slice
+    k) -> natural order."""
+    lead = o.shape[:-1]
+    o = o.reshape(*lead, CONSUMERS, 2, 4, 8, 2)
+    natural = (len(lead) + _FP4_ORDER.index(axis) for axis in range(5))
+    return o.transpose(*range(len(lead)), *natural).reshape(*lead, UQ_HEAD_DIM)
+
+
 _GATHER_PTX = """{
 .reg .pred lead, act, ok, first, later, pre;
 .reg .b32 lane, slot;
 .reg .s32 key, k0, rest;
-.reg .b64 a, src, dst, st, sc, rg, nx;
+.reg .b64 a, src, dst, st, sc, rg, nx;HEAD_REG
 mov.u32 lane, %tid.x;
 and.b32 lane, lane, 127;
 setp.lt.u32 lead, lane, TILE_KEYS;
@@ -197,17 +264,16 @@ and.b32 slot, $8, 1;
 mul.wide.u32 rg, slot, RING_SLOT;
 add.u64 rg, rg, a;
 add.u64 rg, rg, $7;
-add.u64 sc, a, $1;
+INDEX_ADDRESS
 mov.s32 key, -1;
 @first ld.global.nc.s32 key, [sc];
 cp.async.wait_all;
 @later ld.shared.s32 key, [rg];
-setp.ge.s32 ok, key, 0;
-@ok setp.lt.s32 ok, key, ROWS;
+KEY_CHECK
 selp.s32 k0, key, 0, ok;
 selp.s32 key, key, -1, ok;
-mul.wide.s32 src, k0, ROW_BYTES;
-add.u64 src, src, $0;
+mul.wide.s32 src, k0, ROW_STRIDE;
+add.u64 src, src, $0;HEAD_SLOT
 selp.b64 src, src, $6, ok;
 mul.wide.u32 dst, lane, PITCH;
 add.u64 dst, dst, $2;
@@ -222,33 +288,72 @@ xor.b32 slot, slot, 1;
 mul.wide.u32 nx, slot, RING_SLOT;
 add.u64 nx, nx, a;
 add.u64 nx, nx, $7;
-@pre cp.async.ca.shared.global [nx], [sc+RING_SLOT], 4;
+@pre cp.async.ca.shared.global [nx], [NEXT_INDEX], 4;
 bar.sync PRODUCER_BARRIER, 128;
 setp.eq.u32 lead, lane, 0;
 @lead mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 st, [$3], TILE_BYTES;
 }"""
 
 
-def _scale_ptx(offset: int) -> str:
-    """Lane j copies its row's CHUNKS float32 scales (at byte ``offset``) to ``sc[c, j]``, and
-    the stage's mbarrier waits for these copies too."""
+def _scale_ptx(words: tuple[int, ...]) -> str:
+    """Lane j copies its row's 4-byte words at byte offsets ``words`` to ``sc[i, j]``, and the
+    stage's mbarrier waits for these copies too."""
     copies = (
-        f"@lead cp.async.ca.shared.global [st+{4 * T * c}], [src+{offset + 4 * c}], 4;"
-        for c in range(CHUNKS)
+        f"@lead cp.async.ca.shared.global [st+{4 * T * i}], [src+{offset}], 4;"
+        for i, offset in enumerate(words)
     )
     return "\n".join(
         ["add.u64 st, a, $9;", *copies, "@lead cp.async.mbarrier.arrive.shared::cta.b64 [$3];"]
     )
 
 
-def gather_ptx(fmt: RowFormat, rows: int) -> str:
-    """The producer's PTX for one tile (operands: see ``_gather_tile``)."""
-    scales = "" if fmt.scales_offset is None else _scale_ptx(fmt.scales_offset)
+_FLAT_INDEX = {
+    "INDEX_ADDRESS": "add.u64 sc, a, $1;",
+    "KEY_CHECK": "setp.ge.s32 ok, key, 0;\n@ok setp.lt.s32 ok, key, ROWS;",
+    "NEXT_INDEX": "sc+RING_SLOT",
+}
+# Paged keys: lane j's key is position pos = POSITION + j of its request: page pos / PAGE_SIZE
+# of the request's block-table row ($1), slot page * PAGE_SIZE + pos % PAGE_SIZE; a page
+# outside [0, PAGES) masks the key. The ring holds the next tile's page entries.
+_PAGED_INDEX = {
+    "INDEX_ADDRESS": """add.u32 pos, POSITION, lane;
+div.u32 page, pos, PAGE_SIZE;
+rem.u32 off, pos, PAGE_SIZE;
+mul.wide.u32 sc, page, 4;
+add.u64 sc, sc, $1;
+add.u32 page, pos, TILE_KEYS;
+div.u32 page, page, PAGE_SIZE;
+mul.wide.u32 next, page, 4;
+add.u64 next, next, $1;""",
+    "KEY_CHECK": """setp.ge.s32 ok, key, 0;
+@ok setp.lt.s32 ok, key, PAGES;
+mad.lo.s32 key, key, PAGE_SIZE, off;""",
+    "NEXT_INDEX": "next",
+}
+
+
+def gather_ptx(fmt: RowFormat, rows: int, row_stride: int) -> str:
+    """The producer's PTX for one tile (operands: see ``_gather_tile``); cache rows are
+    ``row_stride`` bytes apart (``row_bytes`` but for UltraQuant's KV heads)."""
+    scales = _scale_ptx(fmt.scale_words) if fmt.scale_words else ""
     text = _GATHER_PTX.replace("SCALE_COPIES", scales)
+    extra = 9 + bool(fmt.scale_words)  # the first operand past the scales' SMEM
+    head = f"\ncvt.u64.u32 head, ${extra};\nadd.u64 src, src, head;"
+    regs = "\n.reg .b64 head;" * fmt.fp4
+    if fmt.page_size:
+        regs += "\n.reg .b32 pos, page, off;\n.reg .b64 next;"
+    text = text.replace("HEAD_REG", regs)
+    text = text.replace("HEAD_SLOT", head * fmt.fp4)
+    for name, value in (_PAGED_INDEX if fmt.page_size else _FLAT_INDEX).items():
+        text = text.replace(name, value)
     for name, value in {
+        "POSITION": f"${extra + fmt.fp4}",
+        "PAGE_SIZE": fmt.page_size,
+        "PAGES": rows // max(fmt.page_size, 1),
         "TILE_BYTES": T * fmt.row_bytes,
         "TILE_KEYS": T,
         "ROW_BYTES": fmt.row_bytes,
+        "ROW_STRIDE": row_stride,
         "PITCH": fmt.pitch,
         "RING_SLOT": 4 * T,
         "PRODUCER_BARRIER": PRODUCER_BARRIER,
@@ -290,31 +395,37 @@ def _init_barriers(bars_ref, count: int):
     init(bars_ref)
 
 
-def _gather_tile(fmt: RowFormat, refs, remaining, t, rows: int):
+def _gather_tile(fmt: RowFormat, refs, remaining, t, head=None, position=None):
     """Producer warpgroup, tile ``t`` of keys ``idx[:min(T, remaining)]``.
 
-    ``refs`` = (cache, idx, raw, bar, ids, zero, ring[, sc]). Lane j < T: ``key = idx[j]``
-    (read from global memory on tile 0, else from slot t % 2 of ``ring``, where tile t - 1
-    prefetched it; -1 past ``remaining`` or outside [0, rows): such a key's row is never read;
-    the all-zero row ``zero`` is copied in its place, so its K, V and scales are 0 and the
-    tile's byte count is fixed); one ``cp.async.bulk`` of that row -> ``raw[j]`` (pitch
-    ``fmt.pitch``) completing on ``bar``; ``ids[j] = key``; with per-chunk scales ``sc[c, j]`` =
-    the row's scale c, four 4-byte ``cp.async`` copies that ``bar`` also waits for
-    (``cp.async.mbarrier.arrive``); then ``idx[T + j]`` -> ring slot (t + 1) % 2 with
-    ``cp.async`` where tile t + 1 has key j (each lane reads back only what it copied, after
-    ``cp.async.wait_all``). After a producer-wide barrier lane 0 arms ``bar`` with the tile's
-    bytes, a release: the ids are visible to whoever acquires the completed phase.
+    ``refs`` = (cache, idx, raw, bar, ids, zero, ring[, sc]); ``cache`` [rows, stride] uint8
+    holds one row (``fmt.fp4``: one per KV head, ``head`` the byte offset of this CTA's). Lane
+    j < T: ``key = idx[j]`` (read from global memory on tile 0, else from slot t % 2 of
+    ``ring``, where tile t - 1 prefetched it; -1 past ``remaining`` or outside [0, rows): such
+    a key's row is never read; the all-zero row ``zero`` is copied in its place, so its K, V
+    and scales are 0 and the tile's byte count is fixed); one ``cp.async.bulk`` of that row ->
+    ``raw[j]`` (pitch ``fmt.pitch``) completing on ``bar``; ``ids[j] = key``; with
+    ``fmt.scale_words``, ``sc[i, j]`` = the row's word i, 4-byte ``cp.async`` copies that
+    ``bar`` also waits for (``cp.async.mbarrier.arrive``); then ``idx[T + j]`` -> ring slot
+    (t + 1) % 2 with ``cp.async`` where tile t + 1 has key j (each lane reads back only what it
+    copied, after ``cp.async.wait_all``). After a producer-wide barrier lane 0 arms ``bar``
+    with the tile's bytes, a release: the ids are visible to whoever acquires the completed
+    phase. With ``fmt.page_size``, ``idx`` is the request's block-table row and lane j's key
+    is the slot of position ``position + j`` (``gather_ptx``); the ring holds pages.
     """
     plgpu, mgpu_utils, ir, llvm, _, _ = _mgpu()
     splat = plgpu.Layout.WG_SPLAT(shape=())
     ref = plgpu.RefType()
-    scales = fmt.scales_offset is not None
+    scales = bool(fmt.scale_words)
     arg_types = (ref,) * 5 + (splat,) + (ref,) * 2 + (splat,) + (ref,) * scales
+    arg_types += (splat,) * (fmt.fp4 + bool(fmt.page_size))
+    rows, stride = refs[0].shape
 
     @plgpu.inline_mgpu(arg_types=arg_types)
-    def gather(ctx, cache, idx, raw, bar, ids, remaining, zero, ring, t, *sc):
+    def gather(ctx, cache, idx, raw, bar, ids, remaining, zero, ring, t, *rest):
         del ctx
         ptr = mgpu_utils.memref_ptr
+        sc, scalars = rest[:scales], rest[scales:]
         llvm.inline_asm(
             ir.Type.parse("!llvm.void"),
             [
@@ -324,14 +435,15 @@ def _gather_tile(fmt: RowFormat, refs, remaining, t, rows: int):
                 ptr(ring),
                 t.registers.item(),
                 *(ptr(r) for r in sc),
+                *(x.registers.item() for x in scalars),
             ],
-            gather_ptx(fmt, rows),
-            "l,l,l,l,l,r,l,l,r" + ",l" * scales,
+            gather_ptx(fmt, rows, stride),
+            "l,l,l,l,l,r,l,l,r" + ",l" * scales + ",r" * len(scalars),
             has_side_effects=True,
         )
 
-    cache, idx, raw, bar, ids, zero, ring, *sc = refs
-    gather(cache, idx, raw, bar, ids, remaining, zero, ring, t, *sc)
+    scalars = [x for x in (head, position) if x is not None]
+    gather(*refs[:5], remaining, *refs[5:7], t, *refs[7:], *scalars)
 
 
 def _wait(bar_ref, parity):
@@ -376,6 +488,61 @@ def _byte(words, parity: int):
     return ((words >> (8 * parity)) & 0xFF).astype(jnp.uint8)
 
 
+# bf16 bits of E2M1 magnitude code m (0..7) times 2^-6 (0, 0.5, 1, 1.5, 2, 3, 4, 6 times
+# 2^-6, all normal): low bytes 00 00 80 C0 00 40 80 C0 and high bytes 00 3C 3C 3C 3D 3D 3D 3D,
+# each an 8-byte table for ``prmt`` (little endian: code m is byte m).
+_FP4_PTX = """{
+.reg .b32 x, sel, lo, hi, sg;
+shr.u32 x, $1, SHIFT;
+and.b32 sel, x, 0x00070007;
+shr.u32 lo, sel, 8;
+or.b32 sel, sel, lo;
+prmt.b32 lo, 0xC0800000, 0xC0804000, sel;
+shl.b32 sel, sel, 4;
+prmt.b32 hi, 0x3C3C3C00, 0x3D3D3D3D, sel;
+or.b32 lo, lo, hi;
+shl.b32 sg, $1, SIGN_SHIFT;
+and.b32 sg, sg, 0x80008000;
+or.b32 lo, lo, sg;
+mul.rn.bf16x2 $0, lo, $2;
+}"""
+
+
+def _fp4_operand(words, scale, n: int):
+    """UltraQuant K=16 operand ``n`` (0..7) of a slice: words [T, FP4_WORDS] uint32 (E2M1
+    codes, nibble i of a word at bits 4i) and scale [T, FP4_WORDS] bf16 (a column's group
+    scale), both in the WGMMA layout -> [T, FP4_WORDS] bf16 in the WGMMA layout.
+
+    Each register of the WGMMA layout holds two adjacent columns 2p, 2p + 1 (p = 0..7) of one
+    row; here both come from one word, the one at column 2p + n // 4: nibbles n % 4 (column
+    2p) and n % 4 + 4 (column 2p + 1), so operand n, column j holds nibble n % 4 + 4 (j % 2)
+    of word 2 (j // 2) + n // 4 (``fp4_q`` orders q to match). Per register, in PTX: the two
+    magnitudes select their bf16 bytes from two ``prmt`` tables (value * 2^-6, exact), the
+    sign bits move to bits 15 and 31, and one ``mul.rn.bf16x2`` applies the scale (a power of
+    two: exact)."""
+    plgpu, _, ir, llvm, _, arith = _mgpu()
+    from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
+
+    wgmma = plgpu.Layout.WGMMA
+    ptx = _FP4_PTX.replace("SIGN_SHIFT", str(12 - 4 * (n % 4))).replace("SHIFT", str(4 * (n % 4)))
+    out = plgpu.ShapeDtypeStruct((T, FP4_WORDS), jnp.bfloat16, wgmma)
+
+    @plgpu.inline_mgpu(arg_types=(wgmma, wgmma), return_type=out)
+    def convert(ctx, words, scale):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        pick = arith.constant(i32, n // 4)
+        regs = words.registers.copy()
+        for idx, pair in numpy.ndenumerate(words.registers):
+            word = llvm.extractelement(pair, pick)
+            factor = llvm.bitcast(i32, scale.registers[idx])
+            bits = llvm.inline_asm(i32, [word, factor], ptx, "=r,r,r")
+            regs[idx] = llvm.bitcast(scale.registers[idx].type, bits)
+        return mgpu.FragmentedArray(_registers=regs, _layout=scale.layout, _is_signed=None)
+
+    return convert(words, scale)
+
+
 def _kernel(*refs, fmt: RowFormat, **smem):
     """One CTA: rows [hb * m, hb * m + m) of group g, split ``split`` of its keys (m =
     ``fmt.m``).
@@ -404,7 +571,9 @@ def _kernel(*refs, fmt: RowFormat, **smem):
     """
     plgpu = _mgpu()[0]
     m = fmt.m
-    cache, idx_ref, zero, q_lat, q_rope, work_ref, scale_ref, *causal_refs, o_ref, lse_ref = refs
+    cache, idx_ref, zero, q_lat, *refs = refs
+    q_rope = None if fmt.fp4 else refs.pop(0)
+    work_ref, scale_ref, *causal_refs, o_ref, lse_ref = refs
     s = smem
     hbs = q_lat.shape[1]
     g = jax.lax.div(jax.lax.axis_index("gh"), hbs)
@@ -412,19 +581,24 @@ def _kernel(*refs, fmt: RowFormat, **smem):
     split = jax.lax.axis_index("split")
     wg = jax.lax.axis_index("wg")
     stages = stages_for(fmt)
-    chunk_scales = fmt.scales_offset is not None
+    chunk_scales = fmt.chunk_scales
     wgmma = plgpu.Layout.WGMMA
     per_key = wgmma.reduce(1)  # one value per row of S^T (a key)
     per_row = wgmma.reduce(0)  # one value per column of S^T (a query row)
 
-    def by_key(v):  # [T] per-key values broadcast over the rows: [T, m]
-        return jax.lax.broadcast_in_dim(v, (T, m), [0])
+    def by_key(v, n=m):  # [T] per-key values broadcast over the rows: [T, n]
+        return jax.lax.broadcast_in_dim(v, (T, n), [0])
+
+    def by_cols(v):  # [FP4_WORDS] per-column values broadcast over the keys
+        return jax.lax.broadcast_in_dim(v, (T, FP4_WORDS), [1])
 
     def by_row(v, n=T):  # [m] per-row values broadcast: [n, m]
         return jax.lax.broadcast_in_dim(v, (n, m), [1])
 
     _init_barriers(s["rec_bars"], stages)
-    setup = [(q_lat.at[g, hb], s["q_lat"]), (q_rope.at[g, hb], s["q_rope"])]
+    setup = [(q_lat.at[g, hb], s["q_lat"])]
+    if q_rope is not None:
+        setup.append((q_rope.at[g, hb], s["q_rope"]))
     setup += [(work_ref.at[g, split], s["work"]), (scale_ref, s["scale"])]
     if fmt.causal:
         setup += [(causal_refs[0].at[hb], s["rowpos"]), (causal_refs[1], s["iota"])]
@@ -450,18 +624,24 @@ def _kernel(*refs, fmt: RowFormat, **smem):
             def _():
                 plgpu.barrier_wait(s["consumed"].at[stage])
 
+            if fmt.page_size:  # the request's block-table row (first - lo: its list start)
+                width = idx_ref.shape[0] // q_lat.shape[0]
+                keys, position = idx_ref.at[pl.ds(first - lo, width)], lo + t * T
+            else:
+                keys, position = idx_ref.at[pl.ds(first + t * T, T)], None
             stage_refs = [
                 cache,
-                idx_ref.at[pl.ds(first + t * T, T)],
+                keys,
                 s["raw"].at[stage],
                 s["rec_bars"].at[pl.ds(stage, 1)],
                 s["ids"].at[stage],
                 zero,
                 s["ring"],
             ]
-            if chunk_scales:
+            if fmt.scale_words:
                 stage_refs.append(s["sc"].at[stage])
-            _gather_tile(fmt, stage_refs, length - t * T, t, cache.shape[0])
+            head = hb * (cache.shape[1] // hbs) if fmt.fp4 else None  # this KV head's slot
+            _gather_tile(fmt, stage_refs, length - t * T, t, head, position)
 
     def consume(c: int):
         plgpu.set_max_registers(consumer_registers(), action="increase")
@@ -470,8 +650,9 @@ def _kernel(*refs, fmt: RowFormat, **smem):
         if fmt.causal:
             bound = total - fmt.qlen + load(s["rowpos"].at[pl.ds(0, m)], per_row)
             iota = load(s["iota"], per_key)
-        blocks = range(OWN * c, OWN * (c + 1))
-        chunks = range(OWN * c // 2, OWN * (c + 1) // 2)
+        own = fmt.own_blocks
+        blocks = range(own * c, own * (c + 1))
+        chunks = range(own * c // 2, own * (c + 1) // 2)
         # accumulators of the scores: one per own chunk, then the rope's (scaled chunks), or one
         n_acc = len(chunks) + (c == 0) if chunk_scales else 1
 
@@ -481,11 +662,48 @@ def _kernel(*refs, fmt: RowFormat, **smem):
         def p_block(b):
             return b // 2 if chunk_scales else c
 
+        def _fp4_scores(stage, acc):
+            """UltraQuant: S^T [T, m] of this consumer's K slice (uint32 words 16c ..
+            16c + 15 of the codes: scale groups 4c .. 4c + 3) into ``acc``, each nibble's bf16
+            K times the three q pieces; nibble n of its V slice to ``v`` block 2c + n // 4,
+            columns 16 (n % 4) .. 16 (n % 4) + 15. The words are loaded as uint32 (8-byte
+            aligned ``ld.shared``): V's codes start 8 bytes past a 16-byte boundary, which
+            Mosaic GPU's 16-bit loads (``ldmatrix``) cannot read."""
+            group = by_cols(plgpu.layout_cast(jax.lax.iota(jnp.int32, FP4_WORDS), per_row)) // 4
+
+            def slice_of(first_word, scale_word):
+                """Words [T, FP4_WORDS] and their groups' scales [T, FP4_WORDS] bf16."""
+                words = load(s["raw"].at[stage, :, pl.ds(first_word, FP4_WORDS)], wgmma)
+                sc_word = load(s["sc"].at[stage, scale_word], per_key)
+                scale = None
+                for i in reversed(range(4)):  # UE8M0 byte i: the scale of group 4c + i
+                    bits = ((sc_word >> (8 * i)) & 0xFF) << 23
+                    f = by_key(
+                        jax.lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16),
+                        FP4_WORDS,
+                    )
+                    scale = f if scale is None else jnp.where(group == i, f, scale)
+                return words, scale
+
+            words, scale = slice_of(FP4_WORDS * c, c)
+            for n in range(8):
+                k = _fp4_operand(words, scale, n)
+                for piece in range(Q_PIECES):
+                    q_t = s["q_lat"].at[piece * FP4_SLICES + 8 * c + n]
+                    plgpu.wgmma(acc, k, plgpu.transpose_ref(q_t, (1, 0)))
+            words, scale = slice_of(UQ_V_CODES // 4 + FP4_WORDS * c, CONSUMERS + c)
+            for n in range(8):
+                cols = pl.ds(FP4_WORDS * (n % 4), FP4_WORDS)
+                s["v"][2 * c + n // 4, :, cols] = _fp4_operand(words, scale, n)
+
         def scores(stage):
             """This consumer's unscaled S^T parts [T, m] f32 (``n_acc`` of them). Its bf16 K
             blocks also go to ``v`` for P @ V. One wgmma wait for all."""
 
             def run(accs):
+                if fmt.fp4:
+                    _fp4_scores(stage, accs[0])
+                    return [accs[0][...]]
                 for b in blocks:
                     w = load(s["raw"].at[stage, :, pl.ds(DB * (b // 2), DB)], wgmma)
                     k = _to_bf16(_byte(w, b % 2))
@@ -561,7 +779,7 @@ def _kernel(*refs, fmt: RowFormat, **smem):
         m0 = plgpu.layout_cast(jnp.full((m,), -jnp.inf, jnp.float32), per_row)
         l0 = plgpu.layout_cast(jnp.full((m,), 0.0, jnp.float32), per_row)
         zero_acc = plgpu.layout_cast(jnp.zeros((DB, m), jnp.float32), wgmma)
-        m_run, l_run, accs = jax.lax.fori_loop(0, count, tile, (m0, l0, [zero_acc] * OWN))
+        m_run, l_run, accs = jax.lax.fori_loop(0, count, tile, (m0, l0, [zero_acc] * own))
         if c == 0:
             s["ml"][pl.ds(DB, m)] = l_run
         _consumers_barrier()  # consumer 0's softmax sum is in SMEM
@@ -592,7 +810,8 @@ def _scratch(fmt: RowFormat) -> dict:
     plgpu = _mgpu()[0]
     m, stages = fmt.m, stages_for(fmt)
     pv_swizzle = plgpu.find_swizzle(m * 16, "rhs")  # one P^T row: m bf16
-    rope_width = ROPE_DIM // fmt.rope_blocks
+    if fmt.fp4:  # ``_fp4_scores`` stores V in 16-column slices
+        pv_swizzle = min(pv_swizzle, 2 * FP4_WORDS)
 
     def swizzled(shape, swizzle):
         transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
@@ -606,14 +825,18 @@ def _scratch(fmt: RowFormat) -> dict:
         transforms = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
         return plgpu.SMEM(shape, jnp.float32, transforms=transforms)
 
-    setup_copies = 4 + 2 * fmt.causal
+    setup_copies = 3 + bool(fmt.rope_blocks) + 2 * fmt.causal
+    word = 4 if fmt.fp4 else 2  # the rows are read as uint32 (``_fp4_scores``) or uint16 words
+    if fmt.fp4:  # the q pieces' K=16 operands (``fp4_q``)
+        q_lat = swizzled((Q_PIECES * FP4_SLICES, m, FP4_WORDS), 2 * FP4_WORDS)
+    else:
+        q_lat = swizzled((LATENT_BLOCKS, m, DB), 128)
     scratch = {
-        "q_lat": swizzled((LATENT_BLOCKS, m, DB), 128),
-        "q_rope": swizzled((fmt.rope_blocks, m, rope_width), 2 * rope_width),
-        "raw": plgpu.SMEM((stages, T, fmt.pitch // 2), jnp.uint16),
+        "q_lat": q_lat,
+        "raw": plgpu.SMEM((stages, T, fmt.pitch // word), jnp.dtype(f"uint{8 * word}")),
         "ids": plgpu.SMEM((stages, T), jnp.int32),
         "p": swizzled((fmt.p_blocks, T, m), pv_swizzle),
-        "v": swizzled((LATENT_BLOCKS, T, DB), pv_swizzle),  # wgmma wants both swizzles equal
+        "v": swizzled((fmt.out_blocks, T, DB), pv_swizzle),  # wgmma wants both swizzles equal
         "s": f32((CONSUMERS, T, m)),  # each consumer's partial scores
         "ml": plgpu.SMEM((2 * DB,), jnp.float32),  # consumer 0's running max, then its sum
         "o": f32((CONSUMERS, DB, m)),
@@ -625,8 +848,12 @@ def _scratch(fmt: RowFormat) -> dict:
         "setup": plgpu.Barrier(num_arrivals=setup_copies),
         "consumed": plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
     }
-    if fmt.scales_offset is not None:
-        scratch["sc"] = plgpu.SMEM((stages, CHUNKS, T), jnp.float32)
+    if fmt.rope_blocks:
+        width = ROPE_DIM // fmt.rope_blocks
+        scratch["q_rope"] = swizzled((fmt.rope_blocks, m, width), 2 * width)
+    if fmt.scale_words:
+        dtype = jnp.uint32 if fmt.fp4 else jnp.float32  # scale bytes, or float32 scales
+        scratch["sc"] = plgpu.SMEM((stages, len(fmt.scale_words), T), dtype)
     if fmt.causal:
         scratch["rowpos"] = plgpu.SMEM((64,), jnp.int32)
         scratch["iota"] = plgpu.SMEM((64,), jnp.int32)
@@ -634,11 +861,16 @@ def _scratch(fmt: RowFormat) -> dict:
 
 
 def work(indptr, nnz: int, num_splits: int, align: int):
-    """[G, S, WORK] int32: (first position in idx, key count, split start within the group's
-    list, the list's length, then 0s) of each split; a list's splits are cut at multiples of
-    ``align`` (a multiple of T). indptr entries are clipped to [0, nnz]."""
+    """[G, S, WORK] int32 (``work_lists``) of the lists idx[indptr[i]:indptr[i + 1]]; indptr
+    entries are clipped to [0, nnz]."""
     start = jnp.clip(indptr[:-1], 0, nnz)
-    length = jnp.clip(indptr[1:], start, nnz) - start
+    return work_lists(start, jnp.clip(indptr[1:], start, nnz) - start, num_splits, align)
+
+
+def work_lists(start, length, num_splits: int, align: int):
+    """[G, S, WORK] int32: (first position in idx, key count, split start within the group's
+    list, the list's length, then 0s) of each split of the lists idx[start:start + length]
+    ([G] int32 each); a list's splits are cut at multiples of ``align`` (a multiple of T)."""
     per = align * ((length + align * num_splits - 1) // (align * num_splits))
     s = jnp.arange(num_splits, dtype=jnp.int32)[None, :]
     lo = jnp.minimum(s * per[:, None], length[:, None])
@@ -659,13 +891,15 @@ def choose_splits(ctas: int, avg_tiles: float) -> int:
 def attention(
     fmt: RowFormat, cache, idx, work_entries, q_lat, q_rope, score_scale, out_scale, positions=None
 ):
-    """Runs the kernel: ``cache`` [N, row_bytes] uint8, ``idx`` [nnz] int32, ``work_entries``
-    [G, S, WORK] (``work``), ``q_lat`` [G, HB, LATENT_BLOCKS, m, DB] and ``q_rope`` [G, HB,
-    rope_blocks, m, 64 / rope_blocks] bf16, scalar scales (the score scale in natural units);
-    causal formats: ``positions`` [HB * m] int32, each row's query position in [0, qlen).
+    """Runs the kernel: ``cache`` [N, row_bytes] uint8 (``fmt.fp4``: [N, HB * row_bytes]),
+    ``idx`` [nnz] int32, ``work_entries`` [G, S, WORK] (``work``), ``q_lat`` [G, HB,
+    LATENT_BLOCKS, m, DB] and ``q_rope`` [G, HB, rope_blocks, m, 64 / rope_blocks] bf16
+    (``fmt.fp4``: ``q_lat`` [G, HB, Q_PIECES * FP4_SLICES, m, FP4_WORDS] from ``fp4_q``,
+    ``q_rope`` None), scalar scales (the score scale in natural units); causal formats:
+    ``positions`` [HB * m] int32, each row's query position in [0, qlen).
 
-    Returns o [G, S, HB * m, 512] f32 (natural dim order, each split normalized by its own sum
-    and times ``out_scale``) and lse [G, S, HB * m] f32 (natural log; -inf without keys).
+    Returns o [G, S, HB * m, fmt.dims] f32 (natural dim order, each split normalized by its own
+    sum and times ``out_scale``) and lse [G, S, HB * m] f32 (natural log; -inf without keys).
     """
     plgpu = _mgpu()[0]
     m = fmt.m
@@ -678,7 +912,8 @@ def attention(
             jnp.full((DB,), jnp.asarray(out_scale, jnp.float32), jnp.float32),
         ]
     )
-    inputs = [cache, idx, jnp.zeros((fmt.row_bytes,), jnp.uint8), q_lat, q_rope]
+    inputs = [cache, idx, jnp.zeros((fmt.row_bytes,), jnp.uint8), q_lat]
+    inputs += [] if q_rope is None else [q_rope]
     inputs += [work_entries, scale]
     if fmt.causal:
         rowpos = jnp.pad(positions.reshape(hbs, m), ((0, 0), (0, 64 - m)))
@@ -686,7 +921,7 @@ def attention(
     o_t, lse2 = plgpu.kernel(
         functools.partial(_kernel, fmt=fmt),
         out_type=(
-            jax.ShapeDtypeStruct((g, splits, hbs, LATENT_DIM, m), jnp.float32),
+            jax.ShapeDtypeStruct((g, splits, hbs, fmt.dims, m), jnp.float32),
             jax.ShapeDtypeStruct((g, splits, hbs, 64), jnp.float32),
         ),
         scratch_types=_scratch(fmt),
@@ -700,7 +935,8 @@ def attention(
             unsafe_no_auto_barriers=True,  # the kernel places its own (see _kernel)
         ),
     )(*inputs)
-    o = unpermute_out(o_t.swapaxes(-1, -2).reshape(g, splits, hbs * m, LATENT_DIM))
+    o = o_t.swapaxes(-1, -2).reshape(g, splits, hbs * m, fmt.dims)
+    o = unpermute_fp4(o) if fmt.fp4 else unpermute_out(o)
     return o, lse2[..., :m].reshape(g, splits, hbs * m) / LOG2E
 
 

@@ -44,7 +44,7 @@ def row_format(qlen: int, heads: int) -> RowFormat:
     return RowFormat(
         row_bytes=KV_DIM,
         pitch=PITCH,
-        scales_offset=None,
+        scale_words=(),
         rope_word=LATENT_DIM // 2,
         rope_fp8=True,
         qlen=qlen,

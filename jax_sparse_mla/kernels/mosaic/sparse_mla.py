@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax_sparse_mla._platform import by_platform
 from jax_sparse_mla.formats import LATENT_DIM, RECORD_BYTES, ROPE_OFFSET, SCALES_OFFSET
 from jax_sparse_mla.kernels.mosaic._pipeline import (
+    CHUNKS,
     DB,
     RowFormat,
     T,
@@ -34,7 +35,7 @@ from jax_sparse_mla.reference.sparse_mla import no_keys
 FORMAT = RowFormat(
     row_bytes=RECORD_BYTES,
     pitch=RECORD_BYTES,  # 164 words: 4 mod 8, bank-conflict free as it is
-    scales_offset=SCALES_OFFSET,
+    scale_words=tuple(SCALES_OFFSET + 4 * c for c in range(CHUNKS)),
     rope_word=ROPE_OFFSET // 2,
     rope_fp8=False,
 )

@@ -130,7 +130,7 @@ def _kernel(
     lse_ref[...] = lse
 
 
-def _bf16_pieces(x, count: int):
+def bf16_pieces(x, count: int):
     """float32 x -> ``count`` bf16 arrays summing to x (exactly for count = 3).
 
     Each piece is x's remaining top 8 significant bits, cut off the float32 bits (no rounding
@@ -151,7 +151,7 @@ def _q_operand(q, kv_heads: int, rows: int):
     g = hq // kv_heads
     x = ultraquant_rotate(q).reshape(b, kv_heads, g, UQ_HEAD_DIM)
     x = jnp.pad(x, ((0, 0), (0, 0), (0, rows - g), (0, 0)))
-    x = jnp.stack(_bf16_pieces(x, Q_PIECES), axis=2)  # [B, Hk, 3, rows, 256]
+    x = jnp.stack(bf16_pieces(x, Q_PIECES), axis=2)  # [B, Hk, 3, rows, 256]
     return x.reshape(b, kv_heads, Q_PIECES, rows, HALF, 2).transpose(0, 1, 2, 5, 3, 4)
 
 

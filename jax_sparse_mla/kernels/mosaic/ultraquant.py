@@ -1,0 +1,145 @@
+"""Mosaic GPU (Hopper, sm_90a) ``ultraquant_decode`` over the 4-bit UltraQuant paged cache.
+
+The pipeline of ``_pipeline`` (a producer warpgroup gathering cache rows, two wgmma consumers)
+over 272-byte slots: K's 128 bytes of E2M1 codes (element 2i in the low nibble) and 8 UE8M0
+group scales, then V's. One CTA owns the G query heads of one KV head of one request (padded to
+16 rows, or 32 past 16) and one split of its tokens. For token j of the split, the producer
+reads the request's block-table entry j // block_size itself (no slot list is built) and copies
+the KV head's slot of token slot ``entry * block_size + j % block_size`` (none for an entry
+outside [0, num_blocks): the token is masked) and its four scale words.
+
+A consumer reads a row's codes as uint16 words, 16 at a time (two 32-dim scale groups): nibble
+n of word w is dim 4w + n. Each nibble slice [64 keys, 16] becomes bf16 (value * 2^-6 through
+its e4m3 byte, times the group's scale: exact), K slices are wgmma's A operand straight from
+registers (K = 16) against the three bf16 pieces of the float32 rotated q (their sum is q
+exactly, so q.K is float32-accurate), V slices go to SMEM for P @ V. The 2^-6 of K and V is
+folded into the score and output scales.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_sparse_mla._platform import by_platform
+from jax_sparse_mla.formats import (
+    UQ_HEAD_DIM,
+    UQ_K_SCALES,
+    UQ_SLOT_CONTENT_BYTES,
+    UQ_V_SCALES,
+    ultraquant_rotate,
+)
+from jax_sparse_mla.kernels.mosaic._pipeline import (
+    Q_PIECES,
+    RowFormat,
+    T,
+    attention,
+    choose_splits,
+    fail_off_cuda,
+    fp4_q,
+    merge_splits,
+    per_element_vmap,
+    work_lists,
+)
+from jax_sparse_mla.kernels.pallas.ultraquant import FP8_BIAS, bf16_pieces
+
+# SMEM bytes per staged slot: 72 words, 8 mod 32, so that the 8-byte uint32 reads of four rows
+# (a half warp) land on 32 distinct banks; at 272 (68 words) two rows would share 4 banks.
+PITCH = 288
+MAX_GROUP = 32  # query heads per KV head one CTA holds (wgmma's N)
+
+
+def row_format(group: int, block_size: int) -> RowFormat:
+    """The slot's RowFormat for ``group`` query heads per KV head (16 rows, or 32 past 16) and
+    pages of ``block_size`` tokens."""
+    return RowFormat(
+        row_bytes=UQ_SLOT_CONTENT_BYTES,
+        pitch=PITCH,
+        scale_words=(UQ_K_SCALES, UQ_K_SCALES + 4, UQ_V_SCALES, UQ_V_SCALES + 4),
+        rope_word=0,
+        rope_fp8=False,
+        m=16 if group <= 16 else 32,
+        fp4=True,
+        page_size=block_size,
+    )
+
+
+def unsupported(q, cache) -> str | None:
+    """Why the kernel cannot run these shapes, or None."""
+    group = q.shape[1] // cache.shape[2]
+    if group > MAX_GROUP:
+        return f"at most {MAX_GROUP} query heads per KV head (got {group})"
+    if cache.shape[-1] % 16:
+        return f"slot_bytes a multiple of 16 for its bulk copies (got {cache.shape[-1]})"
+    return None
+
+
+def _decode(q, cache, block_tables, seq_lens, sm_scale, *, splits):
+    """-> [B, Hq, 256] bf16: the splits' o (V's space, each normalized by its own sum) and lse
+    merged in float32."""
+    b, hq, _ = q.shape
+    nb, bs, hk, slot_bytes = cache.shape
+    group = hq // hk
+    fmt = row_format(group, bs)
+    m = fmt.m
+    max_blocks = block_tables.shape[1]
+    length = jnp.clip(seq_lens, 0, max_blocks * bs)
+    entries = work_lists(jnp.arange(b, dtype=jnp.int32) * max_blocks, length, splits, T)
+    x = ultraquant_rotate(q).reshape(b, hk, group, UQ_HEAD_DIM)
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, m - group), (0, 0))).reshape(b, hk * m, UQ_HEAD_DIM)
+    pieces = jnp.stack(bf16_pieces(x, Q_PIECES), axis=1)  # [B, 3, Hk * m, 256]
+    o, lse = attention(
+        fmt,
+        cache.reshape(nb * bs, hk * slot_bytes),  # a view: one row of Hk slots per token
+        block_tables.reshape(-1),
+        entries,
+        fp4_q(pieces, hk, m),
+        None,
+        sm_scale * FP8_BIAS,
+        FP8_BIAS,
+    )
+    o = o.reshape(b, splits, hk, m, UQ_HEAD_DIM)[:, :, :, :group]
+    lse = lse.reshape(b, splits, hk, m)[:, :, :, :group]
+    out, _ = merge_splits(o.reshape(b, splits, hq, UQ_HEAD_DIM), lse.reshape(b, splits, hq))
+    return out
+
+
+def ultraquant_decode_mosaic(q, cache, block_tables, seq_lens, *, sm_scale, num_partitions):
+    """``ultraquant_decode`` on the Mosaic GPU kernel (CUDA only): q [B, Hq, 256] bf16, cache
+    [num_blocks, block_size, Hk, slot_bytes] uint8, block_tables [B, max_blocks] and seq_lens
+    [B] int32, sm_scale a float or 0-d array; ``num_partitions`` None fills the GPU
+    (``choose_splits``); splits are cut at tile multiples and merged in float32. Under
+    ``jax.vmap``: one call per batch element. Returns [B, Hq, 256] bf16.
+
+    Raises NotImplementedError for more than 32 query heads per KV head or a slot_bytes that
+    is not a multiple of 16."""
+    why = unsupported(q, cache)
+    if why is not None:
+        raise NotImplementedError(f"ultraquant_decode: the Mosaic GPU kernel needs {why}")
+    splits = num_partitions
+    if splits is None:
+        tiles = block_tables.shape[-1] * cache.shape[1] / T
+        splits = choose_splits(q.shape[-3] * cache.shape[2], tiles)
+    fn = per_element_vmap(functools.partial(_decode, splits=splits))
+    return fn(q, cache, block_tables, seq_lens, jnp.asarray(sm_scale, jnp.float32))
+
+
+def mosaic_or(fallback):
+    """``ultraquant_decode_mosaic``, or ``fallback`` for the shapes it does not take
+    (``unsupported``): the choice of ``implementation=None`` on Hopper."""
+
+    def run(q, cache, *args, **options):
+        fn = fallback if unsupported(q, cache) else ultraquant_decode_mosaic
+        return fn(q, cache, *args, **options)
+
+    return run
+
+
+def _off_cuda(q, *args, **kw):
+    return fail_off_cuda(jax.ShapeDtypeStruct(q.shape, jnp.bfloat16), q)
+
+
+ultraquant_decode_mosaic_cuda = by_platform(default=_off_cuda, cuda=ultraquant_decode_mosaic)
+"""``ultraquant_decode_mosaic`` where lowered for CUDA; elsewhere it fails when run."""
