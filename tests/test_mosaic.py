@@ -326,17 +326,17 @@ def _operand_dim(k: int, n: int, j: int) -> int:
     return 128 * k + 8 * (2 * (j // 2) + n // 4) + n % 4 + 4 * (j % 2)
 
 
-def test_fp4_q_orders_each_piece_as_the_operands():
+def test_fp4_q_orders_each_piece_as_the_operands_and_stacks_the_pieces():
     m, hbs = 16, 2
     x = np.random.default_rng(0).normal(size=(1, P.Q_PIECES, hbs * m - 3, 256))
     q = np.asarray(P.fp4_q(jnp.asarray(x, jnp.float32), hbs, m))
-    assert q.shape == (1, hbs, P.Q_PIECES * P.FP4_SLICES, m, P.FP4_WORDS)
+    assert q.shape == (1, hbs, P.FP4_SLICES, P.Q_PIECES * m, P.FP4_WORDS)
     rows = np.concatenate([x, np.zeros((1, P.Q_PIECES, 3, 256))], axis=2).astype(np.float32)
     for piece in range(P.Q_PIECES):
         for k in range(2):
             for n in range(8):
                 dims = [_operand_dim(k, n, j) for j in range(P.FP4_WORDS)]
-                got = q[0, :, piece * P.FP4_SLICES + 8 * k + n].reshape(hbs * m, -1)
+                got = q[0, :, 8 * k + n, piece * m : (piece + 1) * m].reshape(hbs * m, -1)
                 np.testing.assert_array_equal(got, rows[0, piece][:, dims])
 
 

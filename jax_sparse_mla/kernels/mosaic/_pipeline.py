@@ -225,15 +225,15 @@ _FP4_ORDER = (0, 2, 4, 1, 3)
 
 def fp4_q(pieces, hbs: int, m: int):
     """UltraQuant q operand: [G, Q_PIECES, R, 256] bf16 pieces of the rotated q -> [G, hbs,
-    Q_PIECES * FP4_SLICES, m, FP4_WORDS] with rows padded to hbs * m; operand 8k + n of a
-    piece holds the dims ``_fp4_operand`` puts in K operand n of slice k."""
+    FP4_SLICES, Q_PIECES * m, FP4_WORDS] with rows padded to hbs * m: operand 8k + n holds
+    the dims ``_fp4_operand`` puts in K operand n of slice k, for the m rows of each piece in
+    turn (one wgmma of N = Q_PIECES * m scores every piece)."""
     g, _, r, _ = pieces.shape
     x = jnp.pad(pieces, ((0, 0), (0, 0), (0, m * hbs - r), (0, 0)))
     x = x.reshape(g, Q_PIECES, hbs, m, CONSUMERS, 8, 2, 2, 4)
-    x = x.transpose(
-        0, 2, 1, *(4 + axis for axis in _FP4_ORDER[:3]), 3, *(4 + axis for axis in _FP4_ORDER[3:])
-    )
-    return x.reshape(g, hbs, Q_PIECES * FP4_SLICES, m, FP4_WORDS)
+    operand_axes, column_axes = _FP4_ORDER[:3], _FP4_ORDER[3:]  # (k, a, b) and (p, e)
+    x = x.transpose(0, 2, *(4 + a for a in operand_axes), 1, 3, *(4 + a for a in column_axes))
+    return x.reshape(g, hbs, FP4_SLICES, Q_PIECES * m, FP4_WORDS)
 
 
 def unpermute_fp4(o):
@@ -663,12 +663,19 @@ def _kernel(*refs, fmt: RowFormat, **smem):
             return b // 2 if chunk_scales else c
 
         def _fp4_scores(stage, acc):
-            """UltraQuant: S^T [T, m] of this consumer's K slice (uint32 words 16c ..
-            16c + 15 of the codes: scale groups 4c .. 4c + 3) into ``acc``, each nibble's bf16
-            K times the three q pieces; nibble n of its V slice to ``v`` block 2c + n // 4,
-            columns 16 (n % 4) .. 16 (n % 4) + 15. The words are loaded as uint32 (8-byte
-            aligned ``ld.shared``): V's codes start 8 bytes past a 16-byte boundary, which
-            Mosaic GPU's 16-bit loads (``ldmatrix``) cannot read."""
+            """UltraQuant: S^T [T, Q_PIECES * m] (each q piece's scores side by side) of this
+            consumer's K slice (uint32 words 16c .. 16c + 15 of the codes: scale groups 4c ..
+            4c + 3) into ``acc``, one wgmma per nibble's bf16 K against the stacked pieces (a
+            third of the wgmmas of one per piece: 1.07x faster on the H200); nibble n of its V
+            slice to ``v`` block 2c + n // 4, columns 16 (n % 4) .. 16 (n % 4) + 15. The words
+            are loaded as uint32 (8-byte aligned ``ld.shared``): V's codes start 8 bytes past a
+            16-byte boundary, which Mosaic GPU's 16-bit loads (``ldmatrix``) fault on.
+
+            Evidence for the layout: the first H200 run loaded uint16 words and failed with
+            CUDA_ERROR_MISALIGNED_ADDRESS; its PTX (MOSAIC_GPU_DUMP_PTX) showed
+            ``ldmatrix.sync.aligned.m8n8.x4`` for those loads, and loading V's words at K's
+            (16-byte aligned) columns ran. Mosaic GPU refuses uint32 loads with bank conflicts,
+            hence the 288-byte pitch (``ultraquant.PITCH``)."""
             group = by_cols(plgpu.layout_cast(jax.lax.iota(jnp.int32, FP4_WORDS), per_row)) // 4
 
             def slice_of(first_word, scale_word):
@@ -688,9 +695,8 @@ def _kernel(*refs, fmt: RowFormat, **smem):
             words, scale = slice_of(FP4_WORDS * c, c)
             for n in range(8):
                 k = _fp4_operand(words, scale, n)
-                for piece in range(Q_PIECES):
-                    q_t = s["q_lat"].at[piece * FP4_SLICES + 8 * c + n]
-                    plgpu.wgmma(acc, k, plgpu.transpose_ref(q_t, (1, 0)))
+                q_t = s["q_lat"].at[8 * c + n]
+                plgpu.wgmma(acc, k, plgpu.transpose_ref(q_t, (1, 0)))
             words, scale = slice_of(UQ_V_CODES // 4 + FP4_WORDS * c, CONSUMERS + c)
             for n in range(8):
                 cols = pl.ds(FP4_WORDS * (n % 4), FP4_WORDS)
@@ -703,7 +709,8 @@ def _kernel(*refs, fmt: RowFormat, **smem):
             def run(accs):
                 if fmt.fp4:
                     _fp4_scores(stage, accs[0])
-                    return [accs[0][...]]
+                    pieces = accs[0][...]  # [T, Q_PIECES * m]
+                    return [pieces[:, :m] + pieces[:, m : 2 * m] + pieces[:, 2 * m :]]
                 for b in blocks:
                     w = load(s["raw"].at[stage, :, pl.ds(DB * (b // 2), DB)], wgmma)
                     k = _to_bf16(_byte(w, b % 2))
@@ -724,7 +731,8 @@ def _kernel(*refs, fmt: RowFormat, **smem):
                         plgpu.wgmma(accs[n_acc - 1], k, q_t)
                 return [a[...] for a in accs]
 
-            return pl.run_scoped(run, [plgpu.ACC((T, m), jnp.float32)] * n_acc)
+            width = Q_PIECES * m if fmt.fp4 else m
+            return pl.run_scoped(run, [plgpu.ACC((T, width), jnp.float32)] * n_acc)
 
         def tile(t, carry):
             m_run, l_run, accs = carry
@@ -828,7 +836,7 @@ def _scratch(fmt: RowFormat) -> dict:
     setup_copies = 3 + bool(fmt.rope_blocks) + 2 * fmt.causal
     word = 4 if fmt.fp4 else 2  # the rows are read as uint32 (``_fp4_scores``) or uint16 words
     if fmt.fp4:  # the q pieces' K=16 operands (``fp4_q``)
-        q_lat = swizzled((Q_PIECES * FP4_SLICES, m, FP4_WORDS), 2 * FP4_WORDS)
+        q_lat = swizzled((FP4_SLICES, Q_PIECES * m, FP4_WORDS), 2 * FP4_WORDS)
     else:
         q_lat = swizzled((LATENT_BLOCKS, m, DB), 128)
     scratch = {
@@ -894,7 +902,7 @@ def attention(
     """Runs the kernel: ``cache`` [N, row_bytes] uint8 (``fmt.fp4``: [N, HB * row_bytes]),
     ``idx`` [nnz] int32, ``work_entries`` [G, S, WORK] (``work``), ``q_lat`` [G, HB,
     LATENT_BLOCKS, m, DB] and ``q_rope`` [G, HB, rope_blocks, m, 64 / rope_blocks] bf16
-    (``fmt.fp4``: ``q_lat`` [G, HB, Q_PIECES * FP4_SLICES, m, FP4_WORDS] from ``fp4_q``,
+    (``fmt.fp4``: ``q_lat`` [G, HB, FP4_SLICES, Q_PIECES * m, FP4_WORDS] from ``fp4_q``,
     ``q_rope`` None), scalar scales (the score scale in natural units); causal formats:
     ``positions`` [HB * m] int32, each row's query position in [0, qlen).
 
