@@ -378,16 +378,20 @@ def _uq_lowered_text(b, hq, hk, slot_bytes=272, implementation="mosaic", blocks=
     return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("hq,hk", [(8, 1), (16, 2), (24, 1), (2, 2)])
-def test_ultraquant_cuda_lowering_hands_the_cache_itself_to_the_kernel(hq, hk):
+@pytest.mark.parametrize(
+    "hq,hk,blocks", [(8, 1, 40), (16, 2, 40), (24, 1, 40), (2, 2, 40), (64, 8, 130_000)]
+)
+def test_ultraquant_cuda_lowering_hands_the_cache_itself_to_the_kernel(hq, hk, blocks):
     """One Mosaic GPU call whose cache operand is the argument reshaped (a view: one row of Hk
-    slots per token) and whose index operand is the block table itself: no slot list."""
-    text = _uq_lowered_text(3, hq, hk)
+    slots per token) and whose index operand is the block table itself: no slot list. Also
+    past 4 GiB of cache (130,000 blocks of 16 tokens of 8 slots: 4.2 GiB; the gather's byte
+    offsets are 64-bit)."""
+    text = _uq_lowered_text(3, hq, hk, blocks=blocks)
     calls = re.findall(r"stablehlo\.custom_call @mosaic_gpu\w*\(([^)]*)\)", text)
     assert len(calls) == 1, text[:2000]
     cache, table = (x.strip() for x in calls[0].split(",")[:2])
     assert re.search(
-        rf"{cache} = stablehlo\.reshape %arg1 : .* -> tensor<640x{272 * hk}xui8>", text
+        rf"{cache} = stablehlo\.reshape %arg1 : .* -> tensor<{16 * blocks}x{272 * hk}xui8>", text
     )
     assert re.search(rf"{table} = stablehlo\.reshape %arg2 : .* -> tensor<21xi32>", text)
 

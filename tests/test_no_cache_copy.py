@@ -38,6 +38,7 @@ from jax_sparse_mla.kernels.pallas import mla_attention as MA
 from jax_sparse_mla.kernels.pallas import mla_decode as PD
 from jax_sparse_mla.kernels.pallas import ultraquant as PU
 from tests import cases as C
+from tests import impls
 
 S = jax.ShapeDtypeStruct
 SIZES = {"3GiB": 3 * 2**30, "4GiB+": 2**32 + 2**20}  # cache bytes (rounded to whole rows)
@@ -454,7 +455,10 @@ def test_gpu_sparse_mla_reads_the_end_of_a_3_gib_cache():
 
 
 @pytest.mark.gpu
-def test_gpu_ultraquant_reads_the_end_of_a_3_gib_cache():
+@pytest.mark.parametrize("impl", ["pallas", "mosaic"])
+def test_gpu_ultraquant_reads_the_end_of_a_3_gib_cache(impl):
+    if impl not in impls.available("ultraquant_decode"):
+        pytest.skip(f"{impl!r} does not run here (Mosaic GPU: a Hopper GPU only)")
     from jax_sparse_mla.formats import ultraquant_rotate, ultraquant_unpack
     from tests.test_pallas_gpu import assert_close
 
@@ -471,10 +475,10 @@ def test_gpu_ultraquant_reads_the_end_of_a_3_gib_cache():
     seq_lens = jnp.asarray([per * bs, 1, 3000, per * bs - 7], jnp.int32)
     q = jax.random.normal(k[3], (b, hk * g, 256)).astype(jnp.bfloat16)
     o, ox = (
-        jax.jit(functools.partial(jsm.ultraquant_decode, implementation=impl))(
+        jax.jit(functools.partial(jsm.ultraquant_decode, implementation=name))(
             q, cache, tables, seq_lens
         )
-        for impl in ("pallas", "xla")
+        for name in (impl, "xla")
     )
     k_st, v = ultraquant_unpack(written)
     k_max = jnp.max(jnp.abs(k_st), axis=(0, 1, 2))
