@@ -50,6 +50,7 @@ import numpy
 from jax.experimental import pallas as pl
 
 from jax_sparse_mla.formats import LATENT_DIM, ROPE_DIM, UQ_HEAD_DIM, UQ_V_CODES
+from jax_sparse_mla.kernels.fp4_operands import Q_PIECES
 from jax_sparse_mla.reference.attention import merge_partials
 
 T = 64  # keys per tile (one SMEM stage; wgmma's M for the transposed scores)
@@ -68,7 +69,6 @@ PRODUCER_BARRIER = 15  # a named barrier id that Mosaic GPU's own (1 + warpgroup
 CONSUMER_BARRIER = 14  # the consumers' named barrier (128 * CONSUMERS threads), likewise free
 PRODUCER_REGISTERS = 40
 MAX_ROWS = 2**31  # the gather's record indices are int32
-Q_PIECES = 3  # bf16 pieces of UltraQuant's float32 rotated q (their sum is q exactly)
 FP4_WORDS = 16  # uint32 words of an UltraQuant slice: 128 dims, four 32-dim scale groups
 FP4_SLICES = UQ_HEAD_DIM // FP4_WORDS  # K=16 operands of K (or V): 8 nibbles of 2 slices
 

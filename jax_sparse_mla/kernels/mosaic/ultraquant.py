@@ -31,8 +31,8 @@ from jax_sparse_mla.formats import (
     UQ_V_SCALES,
     ultraquant_rotate,
 )
+from jax_sparse_mla.kernels.fp4_operands import FP4_BIAS, Q_PIECES, bf16_pieces
 from jax_sparse_mla.kernels.mosaic._pipeline import (
-    Q_PIECES,
     RowFormat,
     T,
     attention,
@@ -43,7 +43,6 @@ from jax_sparse_mla.kernels.mosaic._pipeline import (
     per_element_vmap,
     work_lists,
 )
-from jax_sparse_mla.kernels.pallas.ultraquant import FP8_BIAS, bf16_pieces
 
 # SMEM bytes per staged slot: 72 words, 8 mod 32, so that the 8-byte uint32 reads of four rows
 # (a half warp) land on 32 distinct banks; at 272 (68 words) two rows would share 4 banks.
@@ -97,8 +96,8 @@ def _decode(q, cache, block_tables, seq_lens, sm_scale, *, splits):
         entries,
         fp4_q(pieces, hk, m),
         None,
-        sm_scale * FP8_BIAS,
-        FP8_BIAS,
+        sm_scale * FP4_BIAS,
+        FP4_BIAS,
     )
     o = o.reshape(b, splits, hk, m, UQ_HEAD_DIM)[:, :, :, :group]
     lse = lse.reshape(b, splits, hk, m)[:, :, :, :group]

@@ -30,6 +30,7 @@ from jax_sparse_mla.formats import (
     UQ_V_SCALES,
     ultraquant_rotate,
 )
+from jax_sparse_mla.kernels.fp4_operands import FP4_BIAS, Q_PIECES, bf16_pieces
 from jax_sparse_mla.kernels.pallas._common import (
     call,
     choose_splits,
@@ -48,8 +49,6 @@ from jax_sparse_mla.kernels.pallas.merge import merge_partials_pallas
 
 BLOCK_K = 64  # tokens per tile
 HALF = UQ_HEAD_DIM // 2  # 128 code bytes: low nibbles are even elements, high nibbles odd
-Q_PIECES = 3  # bf16 pieces of the float32 rotated q
-FP8_BIAS = 64.0  # e4m3(code') = E2M1 value * 2^-6
 MIN_SPLIT_KEYS = 256
 NUM_WARPS = 8
 NUM_STAGES = 2
@@ -124,25 +123,10 @@ def _kernel(
         0, num_tiles, tile, (*softmax_init(m_rows), zeros, zeros)
     )
     inv_l, lse = softmax_finish(m_run, l_run)
-    norm = (inv_l * FP8_BIAS)[:, None]
+    norm = (inv_l * FP4_BIAS)[:, None]
     o_ref[:, 0, :] = acc_even * norm
     o_ref[:, 1, :] = acc_odd * norm
     lse_ref[...] = lse
-
-
-def bf16_pieces(x, count: int):
-    """float32 x -> ``count`` bf16 arrays summing to x (exactly for count = 3).
-
-    Each piece is x's remaining top 8 significant bits, cut off the float32 bits (no rounding
-    convert: XLA on GPU may drop a float32 -> bf16 -> float32 round trip as excess precision).
-    """
-    pieces = []
-    for _ in range(count):
-        bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000)
-        top = jax.lax.bitcast_convert_type(bits, jnp.float32)
-        pieces.append(top.astype(jnp.bfloat16))  # exact: the low 16 bits are zero
-        x = x - top  # exact
-    return pieces
 
 
 def _q_operand(q, kv_heads: int, rows: int):
@@ -205,7 +189,7 @@ def _partials(q, cache, block_tables, seq_lens, sm_scale, num_partitions, interp
     kernel = functools.partial(
         _kernel, block_size=bs, num_blocks=nb, kv_heads=hk, num_parts=num_partitions
     )
-    scales = jnp.stack([jnp.float32(sm_scale) * FP8_BIAS])
+    scales = jnp.stack([jnp.float32(sm_scale) * FP4_BIAS])
     flat = cache.reshape(nb * bs * hk, slot_bytes)  # a view; read as words (call: byte_args)
     o, lse = call(
         kernel,
