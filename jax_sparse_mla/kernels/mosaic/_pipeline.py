@@ -46,7 +46,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy
+import numpy as np
 from jax.experimental import pallas as pl
 
 from jax_sparse_mla.formats import LATENT_DIM, ROPE_DIM, UQ_HEAD_DIM, UQ_V_CODES
@@ -514,7 +514,9 @@ def _fp4_operand(words, scale, n: int):
     scale), both in the WGMMA layout -> [T, FP4_WORDS] bf16 in the WGMMA layout.
 
     Each register of the WGMMA layout holds two adjacent columns 2p, 2p + 1 (p = 0..7) of one
-    row; here both come from one word, the one at column 2p + n // 4: nibbles n % 4 (column
+    row (Mosaic GPU's ``WGMMA_LAYOUT``: vectors of 2 along the last axis), and a register
+    index names the same row and columns in ``words`` and ``scale``; here both come from one
+    word, the one at column 2p + n // 4: nibbles n % 4 (column
     2p) and n % 4 + 4 (column 2p + 1), so operand n, column j holds nibble n % 4 + 4 (j % 2)
     of word 2 (j // 2) + n // 4 (``fp4_q`` orders q to match). Per register, in PTX: the two
     magnitudes select their bf16 bytes from two ``prmt`` tables (value * 2^-6, exact), the
@@ -533,7 +535,7 @@ def _fp4_operand(words, scale, n: int):
         i32 = ir.IntegerType.get_signless(32)
         pick = arith.constant(i32, n // 4)
         regs = words.registers.copy()
-        for idx, pair in numpy.ndenumerate(words.registers):
+        for idx, pair in np.ndenumerate(words.registers):
             word = llvm.extractelement(pair, pick)
             factor = llvm.bitcast(i32, scale.registers[idx])
             bits = llvm.inline_asm(i32, [word, factor], ptx, "=r,r,r")
