@@ -3,6 +3,7 @@
     python benchmarks/bench.py [--ops sparse_mla,mla_decode,ultraquant_decode]
         [--implementations xla,pallas,... | all] [--quick] [--samples 20] [--sample-ms 50]
         [--l2-flush] [--profiler] [--no-flashmla] [--json PATH] [--decode-heads 12,128]
+        [--sparse 1x16,128x128]
 
 Implementations: by default every name in the op's implementation table that runs natively on
 this machine: "xla" everywhere; "pallas" and "mosaic" on CUDA; "flydsl" on gfx950; other names
@@ -25,6 +26,13 @@ per-call execution times from the trace's timestamps ("device us"), read from th
 has that line, else the span of the events tagged with the module, per ``run_id`` (the flush is
 another module, so it is never counted); the row records which. This path is exercised on the
 CPU only so far: on a GPU, check the row's ``profiler.method``.
+
+``--sparse`` picks the sparse_mla cases by (n_q)x(H); ``--decode-heads`` the mla_decode head
+counts.
+
+"dispatch floor": a jitted ``x + 1`` on a [16, 512] bf16 array, timed the same way in the same
+run: what one jitted call costs the host here. A call whose device work is shorter than this is
+bound by the host, whatever its kernels do; "device us" (``--profiler``) tells the two apart.
 
 "bytes" counts what must be read or written once: the records / cache rows each query row
 attends to (per row: sparse_mla rows do not share their reads), q and the output; "FLOPs" the
@@ -837,6 +845,28 @@ def copy_bandwidth(mib: int, samples: int, sample_s: float) -> float:
     return 2 * x.nbytes / spread(times)["median_s"]
 
 
+def dispatch_floor(samples: int, sample_s: float) -> float:
+    """Seconds per call of a jitted ``x + 1`` on a [16, 512] bf16 array (one tiny kernel),
+    timed as the cases are: the host's cost of one jitted call."""
+    x = jnp.ones((16, 512), jnp.bfloat16)
+
+    def dispatch_floor_probe(a):
+        return a + 1
+
+    f = jax.jit(dispatch_floor_probe)
+    times, _ = sample_times(lambda: f(x), jax.block_until_ready, samples=samples, sample_s=sample_s)
+    return spread(times)["median_s"]
+
+
+def _positive_ints(text: str, sep: str = ",") -> tuple[int, ...] | None:
+    """``text`` as positive integers split at ``sep``, or None where it is not that."""
+    try:
+        values = tuple(int(v) for v in text.split(sep) if v)
+    except ValueError:
+        return None
+    return values if values and min(values) >= 1 else None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ops", default=",".join(OPS), help="comma list of " + ", ".join(OPS))
@@ -854,6 +884,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-flashmla", action="store_true", help="skip FlashMLA even if importable")
     p.add_argument("--json", default=None, help="write the environment and rows here")
     p.add_argument("--decode-heads", default=None, help="comma list of mla_decode head counts (12)")
+    p.add_argument("--sparse", default=None, help="comma list of sparse_mla cases n_qxH (all)")
     args = p.parse_args(argv)
     args.samples = args.samples if args.samples is not None else (10 if args.quick else 20)
     if args.samples < 10:
@@ -869,12 +900,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.implementations is not None:
         args.implementations = [n for n in args.implementations.split(",") if n]
     if args.decode_heads is not None:
-        try:
-            args.decode_heads = tuple(int(h) for h in args.decode_heads.split(",") if h)
-        except ValueError:
-            args.decode_heads = ()
-        if not args.decode_heads or min(args.decode_heads) < 1:
+        args.decode_heads = _positive_ints(args.decode_heads)
+        if args.decode_heads is None:
             p.error("--decode-heads must be a comma list of positive integers, e.g. 12,128")
+    if args.sparse is not None:
+        pairs = [_positive_ints(case, "x") for case in args.sparse.split(",")]
+        if not pairs or any(pair is None or len(pair) != 2 for pair in pairs):
+            p.error("--sparse must be a comma list of n_qxH cases, e.g. 1x16,128x128")
+        args.sparse = tuple(pairs)
     return args
 
 
@@ -883,6 +916,8 @@ def main(argv=None) -> dict:
     shapes = QUICK if args.quick else FULL
     if args.decode_heads is not None:
         shapes = dataclasses.replace(shapes, decode_heads=args.decode_heads)
+    if args.sparse is not None:
+        shapes = dataclasses.replace(shapes, sparse=args.sparse)
     platforms = machine_platforms()
     flashmla, flashmla_status = (None, "off (--no-flashmla)")
     if not args.no_flashmla:
@@ -890,13 +925,15 @@ def main(argv=None) -> dict:
         if flashmla is None:
             print(flashmla_status)
     copy_bps = copy_bandwidth(shapes.copy_mib, args.samples, args.sample_ms / 1e3)
+    floor_s = dispatch_floor(args.samples, args.sample_ms / 1e3)
     env = environment(flashmla, flashmla_status)
     dev = jax.devices()[0]
     gpu = (env["gpu"]["nvidia_smi"] or [{}])[0]
     print(
         f"device: {dev.device_kind} ({jax.default_backend()}); jax {jax.__version__}; "
         f"driver {gpu.get('driver_version', 'n/a')}; copy {copy_bps / 1e12:.3f} TB/s "
-        f"({shapes.copy_mib} MiB a + 1); {args.samples} samples of ~{args.sample_ms} ms"
+        f"({shapes.copy_mib} MiB a + 1); dispatch floor {_us(floor_s)} us (jitted x + 1); "
+        f"{args.samples} samples of ~{args.sample_ms} ms"
         + ("; L2 flushed before every call" if args.l2_flush else "")
     )
     ctx = {
@@ -940,6 +977,7 @@ def main(argv=None) -> dict:
             "shapes": dataclasses.asdict(shapes),
         },
         "copy_bandwidth_Bps": copy_bps,
+        "dispatch_floor_s": floor_s,
         "rows": rows,
     }
     if args.json:

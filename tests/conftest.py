@@ -1,15 +1,22 @@
 """Skips tests whose hardware is missing: ``gpu`` (an NVIDIA GPU) and ``gfx950`` (an MI355).
 
 Asked for by name (``-m gfx950``) without a gfx950 device, the run fails instead, saying what
-jax sees and what to install.
+jax sees and what to install. Under pytest-xdist (``-n``), jax does not preallocate GPU memory.
 """
 
 from __future__ import annotations
 
+import os
 import re
 
-import jax
-import pytest
+# Several pytest-xdist workers share one GPU: each would otherwise take 75% of its memory when
+# jax starts (XLA's preallocation) and the second worker's start fails. Set before jax's
+# backends start; an explicit setting wins.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 from jax_sparse_mla._platform import devices_seen, gpu_platforms
 

@@ -61,6 +61,7 @@ def test_quick_run_json(tmp_path):
         assert env_["flashmla"].startswith("FlashMLA not importable")
     assert report["settings"]["quick"] and report["settings"]["samples"] >= 10
     assert report["copy_bandwidth_Bps"] > 0
+    assert 0 < report["dispatch_floor_s"] < 1 and "dispatch floor" in done.stdout
 
     rows = report["rows"]
     assert {r["op"] for r in rows} == {"sparse_mla", "mla_decode", "ultraquant_decode"}
@@ -209,3 +210,18 @@ def test_decode_heads_option_sets_the_decode_cases_head_counts(capsys):
         with pytest.raises(SystemExit):
             bench.parse_args(["--decode-heads", bad])
         assert "--decode-heads must be a comma list of positive integers" in capsys.readouterr().err
+
+
+def test_sparse_option_picks_the_sparse_mla_cases(capsys):
+    bench = _load_bench()
+    args = bench.parse_args(["--quick", "--sparse", "2x16,3x8"])
+    assert args.sparse == ((2, 16), (3, 8))
+    assert bench.parse_args(["--quick"]).sparse is None  # the shapes' own
+    shapes = dataclasses.replace(bench.QUICK, sparse=args.sparse)
+    cases = list(bench.sparse_mla_cases(jax.random.PRNGKey(0), shapes))
+    assert [(c.params["n_q"], c.params["H"]) for c in cases] == [(2, 16), (3, 8)]
+    assert [c.args[0].shape for c in cases] == [(2, 16, 576), (3, 8, 576)]
+    for bad in ("", "16", "1x16x2", "1x0", "ax16", "1x16,"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--sparse", bad])
+        assert "--sparse must be a comma list of n_qxH cases" in capsys.readouterr().err
