@@ -225,3 +225,13 @@ def test_sparse_option_picks_the_sparse_mla_cases(capsys):
         with pytest.raises(SystemExit):
             bench.parse_args(["--sparse", bad])
         assert "--sparse must be a comma list of n_qxH cases" in capsys.readouterr().err
+
+
+def test_dispatch_cost_prints_a_row_per_chain_length():
+    script = REPO / "benchmarks" / "dispatch_cost.py"
+    cmd = [sys.executable, str(script), "--kernels", "1,4", "--samples", "10", "--sample-ms", "2"]
+    rows = [line for line in run_on_cpu(cmd).stdout.splitlines() if line.startswith("| ")]
+    assert len(rows) == 4  # header, separator, k = 1 and 4
+    one, four = (row.strip("| ").split(" | ") for row in rows[2:])
+    assert one[0] == "1" and four[0] == "4"
+    assert float(one[2]) > 0 and float(four[2]) > 0 and four[5]  # us per step past k = 1
