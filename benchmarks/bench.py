@@ -418,8 +418,10 @@ def times_from_profile(data, module_name: str, calls: int):
     """The device planes ("/device:..."; the host planes where there is none, as on the CPU
     backend, which runs the module on host threads): 1) "XLA Modules" events named
     ``module_name``, one per call; else 2) the events tagged ``hlo_module`` = the module: the
-    span (first start to last end) of each ``run_id`` (one per call); else 3) their summed
-    duration / calls (one value)."""
+    span (first start to last end) of each ``run_id`` (one per call); else 3) those events in
+    start order, cut into ``calls`` runs of equal length (every call of a jitted function
+    launches the same kernels, one call after another): each run's summed duration, the
+    kernels' busy time per call; else 4) their summed duration / calls (one value)."""
     planes = [p for p in data.planes if p.name.startswith("/device:")]
     planes = planes or [p for p in data.planes if p.name.startswith("/host:")]
     for plane in planes:
@@ -429,7 +431,7 @@ def times_from_profile(data, module_name: str, calls: int):
                 if times:
                     return {"method": "XLA Modules events", "plane": plane.name, "times": times}, ""
     runs: dict = {}
-    total_ns, tagged, where = 0.0, 0, ""
+    events, where = [], ""  # (start, duration) of the module's events
     for plane in planes:
         for line in plane.lines:
             if line.name in DERIVED_LINES:
@@ -438,9 +440,8 @@ def times_from_profile(data, module_name: str, calls: int):
                 stats = _event_stats(ev)
                 if module_name not in str(stats.get("hlo_module", "")):
                     continue
-                tagged += 1
                 where = plane.name
-                total_ns += ev.duration_ns
+                events.append((ev.start_ns, ev.duration_ns))
                 if "run_id" in stats:
                     span = runs.setdefault(stats["run_id"], [math.inf, -math.inf])
                     span[0] = min(span[0], ev.start_ns)
@@ -448,10 +449,16 @@ def times_from_profile(data, module_name: str, calls: int):
     if runs:
         times = [(end - begin) * 1e-9 for begin, end in runs.values()]
         return {"method": "span of each run_id's events", "plane": where, "times": times}, ""
-    if tagged:
-        times = [total_ns * 1e-9 / calls]
+    if events and len(events) % calls == 0:
+        per_call = len(events) // calls
+        durations = [d for _, d in sorted(events)]
+        times = [sum(durations[i : i + per_call]) * 1e-9 for i in range(0, len(events), per_call)]
+        method = f"busy time: {per_call} events per call, summed (in start order)"
+        return {"method": method, "plane": where, "times": times}, ""
+    if events:
+        times = [sum(d for _, d in events) * 1e-9 / calls]
         return {
-            "method": f"{tagged} events' total time / {calls} calls",
+            "method": f"{len(events)} events' total time / {calls} calls",
             "plane": where,
             "times": times,
         }, ""

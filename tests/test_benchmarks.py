@@ -235,3 +235,49 @@ def test_dispatch_cost_prints_a_row_per_chain_length():
     one, four = (row.strip("| ").split(" | ") for row in rows[2:])
     assert one[0] == "1" and four[0] == "4"
     assert float(one[2]) > 0 and float(four[2]) > 0 and four[5]  # us per step past k = 1
+
+
+def _trace(*lines, plane="/device:GPU:0"):
+    """A stand-in for jax.profiler.ProfileData: lines of (name, [(start, duration, stats)])."""
+    ns = types.SimpleNamespace
+    return ns(
+        planes=[
+            ns(
+                name=plane,
+                lines=[
+                    ns(
+                        name=name,
+                        events=[
+                            ns(name="ev", start_ns=t, duration_ns=d, stats=list(stats.items()))
+                            for t, d, stats in events
+                        ],
+                    )
+                    for name, events in lines
+                ],
+            )
+        ]
+    )
+
+
+def test_profile_times_per_call_from_each_source_the_trace_has():
+    times_from_profile = _load_bench().times_from_profile
+    mod = {"hlo_module": "jit_bench_op"}
+    # Two calls of two kernels each, on two streams, plus another module's kernel.
+    kernels = [(0, 3, mod), (10, 4, mod), (20, 5, mod), (30, 6, mod), (40, 99, {"hlo_module": "x"})]
+    got, _ = times_from_profile(_trace(("Stream #1", kernels)), "bench_op", calls=2)
+    assert got["times"] == pytest.approx([7e-9, 11e-9]) and "per call" in got["method"]
+    got, _ = times_from_profile(
+        _trace(("Stream #1", kernels[:2]), ("Stream #2", kernels[2:])), "bench_op", calls=2
+    )
+    assert got["times"] == pytest.approx([7e-9, 11e-9])  # start order across streams
+    got, _ = times_from_profile(_trace(("Stream #1", kernels[:3])), "bench_op", calls=2)
+    assert got["times"] == pytest.approx([6e-9]) and "total time / 2 calls" in got["method"]
+    with_runs = [(t, d, {**s, "run_id": t // 20}) for t, d, s in kernels[:4]]
+    got, _ = times_from_profile(_trace(("Stream #1", with_runs)), "bench_op", calls=2)
+    assert got["times"] == pytest.approx([14e-9, 16e-9]) and "run_id" in got["method"]
+    modules = _trace(("XLA Modules", [(0, 50, {})]), ("Stream #1", kernels))
+    modules.planes[0].lines[0].events[0].name = "jit_bench_op(123)"
+    got, _ = times_from_profile(modules, "bench_op", calls=1)
+    assert got["times"] == pytest.approx([50e-9]) and got["method"] == "XLA Modules events"
+    got, why = times_from_profile(_trace(("Stream #1", kernels[4:])), "bench_op", calls=2)
+    assert got is None and "no event of module bench_op" in why
