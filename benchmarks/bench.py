@@ -23,9 +23,11 @@ dirty lines in L2 whose write-back the next call may pay. ``--profiler`` (jax im
 only): also traces ``max(samples, 20)`` calls with ``jax.profiler`` and reports the spread of
 per-call execution times from the trace's timestamps ("device us"), read from the device planes
 (the host plane on the CPU backend): the "XLA Modules" events of the case's module when the trace
-has that line, else the span of the events tagged with the module, per ``run_id`` (the flush is
-another module, so it is never counted); the row records which. This path is exercised on the
-CPU only so far: on a GPU, check the row's ``profiler.method``.
+has that line, else the span of the events tagged with the module, per ``run_id``, else the
+summed durations of each call's events, its kernels' busy time (the flush is another module, so
+it is never counted); the row records which (``times_from_profile``). On the H200 with jax
+0.11.2 the trace had neither of the first two: "device us" there is busy time, which leaves
+out the gaps between a call's kernels.
 
 ``--sparse`` picks the sparse_mla cases by (n_q)x(H); ``--decode-heads`` the mla_decode head
 counts.
