@@ -262,14 +262,14 @@ def _trace(*lines, plane="/device:GPU:0"):
 def test_profile_times_per_call_from_each_source_the_trace_has():
     times_from_profile = _load_bench().times_from_profile
     mod = {"hlo_module": "jit_bench_op"}
-    # Two calls of two kernels each, on two streams, plus another module's kernel.
+    # Two calls of two kernels each, plus another module's kernel (ignored).
     kernels = [(0, 3, mod), (10, 4, mod), (20, 5, mod), (30, 6, mod), (40, 99, {"hlo_module": "x"})]
     got, _ = times_from_profile(_trace(("Stream #1", kernels)), "bench_op", calls=2)
     assert got["times"] == pytest.approx([7e-9, 11e-9]) and "per call" in got["method"]
     got, _ = times_from_profile(
         _trace(("Stream #1", kernels[:2]), ("Stream #2", kernels[2:])), "bench_op", calls=2
     )
-    assert got["times"] == pytest.approx([7e-9, 11e-9])  # start order across streams
+    assert got["times"] == pytest.approx([7e-9, 11e-9])  # the same calls on two streams
     got, _ = times_from_profile(_trace(("Stream #1", kernels[:3])), "bench_op", calls=2)
     assert got["times"] == pytest.approx([6e-9]) and "total time / 2 calls" in got["method"]
     with_runs = [(t, d, {**s, "run_id": t // 20}) for t, d, s in kernels[:4]]
