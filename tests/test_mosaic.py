@@ -9,6 +9,9 @@ are inline PTX and wgmma and have no interpret mode.
 from __future__ import annotations
 
 import functools
+import itertools
+import math
+import operator
 import re
 
 import jax
@@ -351,20 +354,58 @@ def test_unpermute_fp4_inverts_the_v_operand_order():
     np.testing.assert_array_equal(natural, np.arange(256))
 
 
-def test_fp4_ptx_tables_are_the_e2m1_values_times_2_to_the_minus_6():
-    """The two ``prmt`` tables (low and high bytes of bf16 bits, code m is byte m) against the
-    E2M1 magnitudes, and the sign moved from each nibble's bit 3 to bit 15 of its half."""
-    tables = re.findall(r"prmt\.b32 \w+, (0x[0-9A-F]{8}), (0x[0-9A-F]{8}), sel;", P._FP4_PTX)
-    (lo_a, lo_b), (hi_a, hi_b) = ((int(a, 16), int(b, 16)) for a, b in tables)
-    byte = lambda a, b, i: ((b << 32 | a) >> (8 * i)) & 0xFF  # noqa: E731
-    for m, value in enumerate([0, 0.5, 1, 1.5, 2, 3, 4, 6]):
-        bits = byte(hi_a, hi_b, m) << 8 | byte(lo_a, lo_b, m)
-        got = np.array([bits << 16], np.uint32).view(np.float32)[0]
-        assert got == value * 2.0**-6, m
-    for n in range(4):
-        text = P._FP4_PTX.replace("SIGN_SHIFT", str(12 - 4 * n))
-        shift = int(re.search(r"shl\.b32 sg, \$1, (\d+);", text).group(1))
-        assert (((1 << (4 * n + 3)) << shift) & 0xFFFF) == 0x8000  # nibble n's sign -> bit 15
+def _bf16_pair(x: int) -> list[float]:
+    """The two bf16 values of a 32-bit register (low half first; subnormals kept)."""
+    bits = np.array([(x & 0xFFFF) << 16, (x >> 16) << 16], np.uint32)
+    return [float(v) for v in bits.view(np.float32)]
+
+
+def _bf16_bits(values) -> int:
+    f32 = np.array(values, np.float32).view(np.uint32)
+    assert not (f32 & 0xFFFF).any(), values  # exact in bf16
+    return int(f32[0] >> 16) | int(f32[1] >> 16) << 16
+
+
+_PTX_OPS = {
+    "shl.b32": operator.lshift,
+    "shr.u32": operator.rshift,
+    "and.b32": operator.and_,
+    "or.b32": operator.or_,
+    "mov.b32": lambda a, _: a,
+    "mul.rn.bf16x2": lambda a, b: _bf16_bits(
+        [x * y for x, y in zip(_bf16_pair(a), _bf16_pair(b), strict=True)]
+    ),
+}
+
+
+def _run_fp4_ptx(text: str, word: int) -> list[float]:
+    """Interprets ``_FP4_PTX``'s instructions on one uint32 word with the scale pair 1.0, 1.0
+    -> the two bf16 results (bf16 subnormals kept, as the GPU's ``mul.rn.bf16x2``)."""
+    regs = {"$1": word, "$2": 0x3F803F80}
+    for line in text.splitlines():
+        op, *rest = line.rstrip(";").replace(",", " ").split()
+        if op not in _PTX_OPS:
+            assert op in ("{", "}", ".reg"), op
+            continue
+        dst, *src = rest
+        a, b = (regs[x] if x in regs else int(x, 0) for x in (*src, "0")[:2])
+        regs[dst] = _PTX_OPS[op](a, b) & 0xFFFFFFFF
+    return _bf16_pair(regs["$0"])
+
+
+@pytest.mark.parametrize("nibble", range(4))
+def test_fp4_ptx_is_the_e2m1_values_times_2_to_the_minus_6(nibble):
+    """Every pair of codes at nibbles ``nibble`` and ``nibble`` + 4 of a word, the other
+    nibbles random, through ``_fp4_ptx``'s instructions: sign and value * 2^-6 exactly."""
+    e2m1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6]
+    text = P._fp4_ptx(nibble)
+    rng = np.random.default_rng(nibble)
+    for lo, hi in itertools.product(range(16), repeat=2):
+        keep = ~((0xF << 4 * nibble) | (0xF << 4 * nibble + 16)) & 0xFFFFFFFF
+        word = int(rng.integers(0, 2**32)) & keep | lo << 4 * nibble | hi << 4 * nibble + 16
+        for code, got in zip((lo, hi), _run_fp4_ptx(text, word), strict=True):
+            want = (-1.0 if code & 8 else 1.0) * e2m1[code & 7] * 2.0**-6
+            assert got == want and math.copysign(1, got) == math.copysign(1, want), (code, got)
 
 
 def _uq_lowered_text(b, hq, hk, slot_bytes=272, implementation="mosaic", blocks=40):

@@ -526,24 +526,34 @@ def _fp8_to_bf16(words, parity: int):
     return convert(words)
 
 
-# bf16 bits of E2M1 magnitude code m (0..7) times 2^-6 (0, 0.5, 1, 1.5, 2, 3, 4, 6 times
-# 2^-6, all normal): low bytes 00 00 80 C0 00 40 80 C0 and high bytes 00 3C 3C 3C 3D 3D 3D 3D,
-# each an 8-byte table for ``prmt`` (little endian: code m is byte m).
+# E2M1 -> bf16 in bits: magnitude code m = (e1 e0 m0) as the bf16 bits m << 6 (exponent field
+# e1 e0, mantissa's top bit m0) is the code's value times 2^-126 for every m (m = 1, 0.5, lands
+# on the bf16 subnormal 2^-127, m = 0 on zero); the sign bit moves to bit 15, and a product with
+# 2^120 (bf16 0x7B80) makes it value * 2^-6 (normal). Per half of a 32-bit register.
 _FP4_PTX = """{
-.reg .b32 x, sel, lo, hi, sg;
-shr.u32 x, $1, SHIFT;
-and.b32 sel, x, 0x00070007;
-shr.u32 lo, sel, 8;
-or.b32 sel, sel, lo;
-prmt.b32 lo, 0xC0800000, 0xC0804000, sel;
-shl.b32 sel, sel, 4;
-prmt.b32 hi, 0x3C3C3C00, 0x3D3D3D3D, sel;
-or.b32 lo, lo, hi;
+.reg .b32 m, sg, c;
+MAG_SHIFT m, $1, MAG_BITS;
+and.b32 m, m, 0x01C001C0;
 shl.b32 sg, $1, SIGN_SHIFT;
 and.b32 sg, sg, 0x80008000;
-or.b32 lo, lo, sg;
-mul.rn.bf16x2 $0, lo, $2;
+or.b32 m, m, sg;
+mov.b32 c, 0x7B807B80;
+mul.rn.bf16x2 m, m, c;
+mul.rn.bf16x2 $0, m, $2;
 }"""
+
+
+def _fp4_ptx(nibble: int) -> str:
+    """``_FP4_PTX`` for nibbles ``nibble`` (0..3) and ``nibble`` + 4 of a uint32 word: their
+    magnitude bits (4 nibble .. 4 nibble + 2, and 16 higher) move to bits 6..8 (and 22..24),
+    their sign bits to 15 (and 31)."""
+    shift = 6 - 4 * nibble
+    mag = ("shl.b32", shift) if shift >= 0 else ("shr.u32", -shift)
+    return (
+        _FP4_PTX.replace("MAG_SHIFT", mag[0])
+        .replace("MAG_BITS", str(mag[1]))
+        .replace("SIGN_SHIFT", str(12 - 4 * nibble))
+    )
 
 
 def _fp4_operand(words, scale, n: int):
@@ -556,15 +566,16 @@ def _fp4_operand(words, scale, n: int):
     index names the same row and columns in ``words`` and ``scale``; here both come from one
     word, the one at column 2p + n // 4: nibbles n % 4 (column
     2p) and n % 4 + 4 (column 2p + 1), so operand n, column j holds nibble n % 4 + 4 (j % 2)
-    of word 2 (j // 2) + n // 4 (``fp4_q`` orders q to match). Per register, in PTX: the two
-    magnitudes select their bf16 bytes from two ``prmt`` tables (value * 2^-6, exact), the
-    sign bits move to bits 15 and 31, and one ``mul.rn.bf16x2`` applies the scale (a power of
-    two: exact)."""
+    of word 2 (j // 2) + n // 4 (``fp4_q`` orders q to match). Per register, in PTX
+    (``_fp4_ptx``): the two codes become bf16 bits (value * 2^-126, see ``_FP4_PTX``), one
+    ``mul.rn.bf16x2`` by 2^120 and one by the scale (powers of two: exact). Eight instructions
+    per register where two ``prmt`` byte tables took twelve: ``ultraquant_decode`` B=128
+    seq=32768 Hk=8 G=8 went from 10171.9 to 8782.0 us on the H200 (one run, both packages)."""
     plgpu, _, ir, llvm, _, arith = _mgpu()
     from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
 
     wgmma = plgpu.Layout.WGMMA
-    ptx = _FP4_PTX.replace("SIGN_SHIFT", str(12 - 4 * (n % 4))).replace("SHIFT", str(4 * (n % 4)))
+    ptx = _fp4_ptx(n % 4)
     out = plgpu.ShapeDtypeStruct((T, FP4_WORDS), jnp.bfloat16, wgmma)
 
     @plgpu.inline_mgpu(arg_types=(wgmma, wgmma), return_type=out)

@@ -9,8 +9,8 @@ the KV head's slot of token slot ``entry * block_size + j % block_size`` (none f
 outside [0, num_blocks): the token is masked) and its four scale words.
 
 A consumer reads a row's codes as uint16 words, 16 at a time (two 32-dim scale groups): nibble
-n of word w is dim 4w + n. Each nibble slice [64 keys, 16] becomes bf16 (value * 2^-6 through
-its e4m3 byte, times the group's scale: exact), K slices are wgmma's A operand straight from
+n of word w is dim 4w + n. Each nibble slice [64 keys, 16] becomes bf16 (value * 2^-6 from the
+code's bits in inline PTX, times the group's scale: exact), K slices are wgmma's A operand straight from
 registers (K = 16) against the three bf16 pieces of the float32 rotated q (their sum is q
 exactly, so q.K is float32-accurate), V slices go to SMEM for P @ V. The 2^-6 of K and V is
 folded into the score and output scales.
