@@ -893,6 +893,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-flashmla", action="store_true", help="skip FlashMLA even if importable")
     p.add_argument("--json", default=None, help="write the environment and rows here")
     p.add_argument("--decode-heads", default=None, help="comma list of mla_decode head counts (12)")
+    p.add_argument(
+        "--batches",
+        default=None,
+        help="comma list of mla_decode and ultraquant_decode batch sizes (1,32,128)",
+    )
     p.add_argument("--sparse", default=None, help="comma list of sparse_mla cases n_qxH (all)")
     args = p.parse_args(argv)
     args.samples = args.samples if args.samples is not None else (10 if args.quick else 20)
@@ -908,10 +913,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown op(s) {unknown}; choose from {OPS}")
     if args.implementations is not None:
         args.implementations = [n for n in args.implementations.split(",") if n]
-    if args.decode_heads is not None:
-        args.decode_heads = _positive_ints(args.decode_heads)
-        if args.decode_heads is None:
-            p.error("--decode-heads must be a comma list of positive integers, e.g. 12,128")
+    for name, example in (("decode_heads", "12,128"), ("batches", "128")):
+        if getattr(args, name) is not None:
+            setattr(args, name, _positive_ints(getattr(args, name)))
+            if getattr(args, name) is None:
+                option = "--" + name.replace("_", "-")
+                p.error(f"{option} must be a comma list of positive integers, e.g. {example}")
     if args.sparse is not None:
         pairs = [_positive_ints(case, "x") for case in args.sparse.split(",")]
         if not pairs or any(pair is None or len(pair) != 2 for pair in pairs):
@@ -927,6 +934,8 @@ def main(argv=None) -> dict:
         shapes = dataclasses.replace(shapes, decode_heads=args.decode_heads)
     if args.sparse is not None:
         shapes = dataclasses.replace(shapes, sparse=args.sparse)
+    if args.batches is not None:
+        shapes = dataclasses.replace(shapes, decode_batches=args.batches, uq_batches=args.batches)
     platforms = machine_platforms()
     flashmla, flashmla_status = (None, "off (--no-flashmla)")
     if not args.no_flashmla:

@@ -212,6 +212,26 @@ def test_decode_heads_option_sets_the_decode_cases_head_counts(capsys):
         assert "--decode-heads must be a comma list of positive integers" in capsys.readouterr().err
 
 
+def test_batches_option_sets_both_decode_ops_batch_sizes(capsys):
+    bench = _load_bench()
+    args = bench.parse_args(["--quick", "--batches", "1,3"])
+    assert args.batches == (1, 3)
+    assert bench.parse_args(["--quick"]).batches is None  # the shapes' own
+    shapes = dataclasses.replace(bench.QUICK, decode_batches=args.batches, uq_batches=args.batches)
+    key = jax.random.PRNGKey(0)
+    decode = list(bench.mla_decode_cases(key, shapes))
+    assert sorted({c.params["B"] for c in decode}) == [1, 3]
+    for case in decode:
+        assert case.args[3].shape == (case.params["B"] + 1,)  # kv_indptr
+    uq = list(bench.ultraquant_cases(key, shapes))
+    assert [c.params["B"] for c in uq] == [1, 3]
+    assert [c.args[0].shape[0] for c in uq] == [1, 3]
+    for bad in ("", "1,x", "0"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--batches", bad])
+        assert "--batches must be a comma list of positive integers" in capsys.readouterr().err
+
+
 def test_sparse_option_picks_the_sparse_mla_cases(capsys):
     bench = _load_bench()
     args = bench.parse_args(["--quick", "--sparse", "2x16,3x8"])

@@ -8,12 +8,12 @@ reads the request's block-table entry j // block_size itself (no slot list is bu
 the KV head's slot of token slot ``entry * block_size + j % block_size`` (none for an entry
 outside [0, num_blocks): the token is masked) and its four scale words.
 
-A consumer reads a row's codes as uint16 words, 16 at a time (two 32-dim scale groups): nibble
-n of word w is dim 4w + n. Each nibble slice [64 keys, 16] becomes bf16 (value * 2^-6 from the
-code's bits in inline PTX, times the group's scale: exact), K slices are wgmma's A operand straight from
-registers (K = 16) against the three bf16 pieces of the float32 rotated q (their sum is q
-exactly, so q.K is float32-accurate), V slices go to SMEM for P @ V. The 2^-6 of K and V is
-folded into the score and output scales.
+A consumer reads a row's codes as uint32 words, 16 at a time (128 dims, four 32-dim scale
+groups): nibble n of word w is dim 8w + n. Each nibble slice [64 keys, 16] becomes bf16 (value *
+2^-6 from the code's bits in inline PTX, times the group's scale: exact), K slices are wgmma's A
+operand straight from registers (K = 16) against the three bf16 pieces of the float32 rotated q
+(their sum is q exactly, so q.K is float32-accurate), V slices go to SMEM for P @ V. The 2^-6 of
+K and V is folded into the score and output scales.
 """
 
 from __future__ import annotations
