@@ -25,6 +25,7 @@ from jax_sparse_mla.kernels.mosaic import _pipeline as P
 from jax_sparse_mla.kernels.mosaic import mla_decode as D
 from jax_sparse_mla.kernels.mosaic import sparse_mla as K
 from jax_sparse_mla.kernels.mosaic import ultraquant as U
+from tests import oracle as O
 
 FORMATS = {
     "sparse_mla": K.FORMAT,
@@ -361,36 +362,80 @@ def _bf16_pair(x: int) -> list[float]:
 
 
 def _bf16_bits(values) -> int:
+    """[low, high] -> a bf16x2 register; the values must be exact in bf16."""
     f32 = np.array(values, np.float32).view(np.uint32)
-    assert not (f32 & 0xFFFF).any(), values  # exact in bf16
+    assert not (f32 & 0xFFFF).any(), values
     return int(f32[0] >> 16) | int(f32[1] >> 16) << 16
 
 
-_PTX_OPS = {
-    "shl.b32": operator.lshift,
-    "shr.u32": operator.rshift,
+def _f16_bits(value: float) -> int:
+    return int(np.array(value, np.float16).view(np.uint16))
+
+
+def _prmt(a: int, b: int, select: int) -> int:
+    """``prmt.b32`` (default mode): byte i of the result is byte (select >> 4i) & 7 of b:a."""
+    data = a | b << 32
+    return sum((data >> 8 * (select >> 4 * i & 7) & 0xFF) << 8 * i for i in range(4))
+
+
+_PTX_OPS = {  # name -> (sources -> result); bit patterns as ints, f32 registers as floats
+    "shl.b32": lambda a, b: a << b,
+    "shr.u32": lambda a, b: a >> b,
     "and.b32": operator.and_,
     "or.b32": operator.or_,
-    "mov.b32": lambda a, _: a,
+    "mov.b32": lambda a: a,
+    "prmt.b32": _prmt,
     "mul.rn.bf16x2": lambda a, b: _bf16_bits(
         [x * y for x, y in zip(_bf16_pair(a), _bf16_pair(b), strict=True)]
     ),
+    # the low byte (half) of the source is the low half of the result
+    "cvt.rn.f16x2.e4m3x2": lambda c: sum(
+        _f16_bits(O.E4M3_TABLE[c >> 8 * i & 0xFF]) << 16 * i for i in (0, 1)
+    ),
+    "cvt.f32.f16": lambda h: float(np.array(h, np.uint16).view(np.float16)),
+    "cvt.rn.bf16x2.f32": lambda a, b: _bf16_bits([b, a]),  # a -> the high half
 }
 
 
-def _run_fp4_ptx(text: str, word: int) -> list[float]:
-    """Interprets ``_FP4_PTX``'s instructions on one uint32 word with the scale pair 1.0, 1.0
-    -> the two bf16 results (bf16 subnormals kept, as the GPU's ``mul.rn.bf16x2``)."""
-    regs = {"$1": word, "$2": 0x3F803F80}
+def _run_ptx(text: str, regs: dict) -> dict:
+    """Interprets the PTX block ``text`` (one instruction per line) on ``regs`` (operand name ->
+    value, e.g. {"$1": word}); ``mov.b32 {lo, hi}, x`` splits a register into its halves."""
     for line in text.splitlines():
-        op, *rest = line.rstrip(";").replace(",", " ").split()
-        if op not in _PTX_OPS:
-            assert op in ("{", "}", ".reg"), op
+        op, *operands = line.rstrip(";").replace(",", " ").split()
+        if op in ("{", "}", ".reg"):
             continue
-        dst, *src = rest
-        a, b = (regs[x] if x in regs else int(x, 0) for x in (*src, "0")[:2])
-        regs[dst] = _PTX_OPS[op](a, b) & 0xFFFFFFFF
-    return _bf16_pair(regs["$0"])
+        if operands[0].startswith("{"):  # mov.b32 {lo, hi}, x
+            lo, hi, x = operands[0][1:], operands[1][:-1], regs[operands[2]]
+            regs[lo], regs[hi] = x & 0xFFFF, x >> 16
+            continue
+        dst, *src = operands
+        value = _PTX_OPS[op](*(regs[x] if x in regs else int(x, 0) for x in src))
+        regs[dst] = value & 0xFFFFFFFF if isinstance(value, int) else value
+    return regs
+
+
+def _run_fp4_ptx(text: str, word: int) -> list[float]:
+    """``_FP4_PTX`` on one uint32 word with the scale pair 1.0, 1.0 -> the two bf16 results
+    (bf16 subnormals kept, as the GPU's ``mul.rn.bf16x2``)."""
+    return _bf16_pair(_run_ptx(text, {"$1": word, "$2": 0x3F803F80})["$0"])
+
+
+@pytest.mark.parametrize("parity", [0, 1])
+def test_fp8_ptx_is_the_e4m3_value_of_each_words_byte(parity):
+    """Every pair of e4m3 codes at byte ``parity`` of two uint16 words (one register), the
+    other bytes random, through ``_fp8_ptx``'s instructions: the codes' values (NaN for NaN),
+    the first word's in the low half."""
+    text = P._fp8_ptx(parity)
+    rng = np.random.default_rng(parity)
+    others = rng.integers(0, 256, (256, 256, 2))
+    for lo, hi in itertools.product(range(256), repeat=2):
+        other = [int(x) << 8 * (1 - parity) for x in others[lo, hi]]
+        word = (lo << 8 * parity | other[0]) | (hi << 8 * parity | other[1]) << 16
+        got = _bf16_pair(_run_ptx(text, {"$1": word})["$0"])
+        for code, value in zip((lo, hi), got, strict=True):
+            want = O.E4M3_TABLE[code]
+            assert value == want or (math.isnan(want) and math.isnan(value)), (code, value)
+            assert math.copysign(1, value) == math.copysign(1, want) or math.isnan(want)
 
 
 @pytest.mark.parametrize("nibble", range(4))

@@ -496,6 +496,11 @@ cvt.rn.bf16x2.f32 $0, f1, f0;
 }"""
 
 
+def _fp8_ptx(parity: int) -> str:
+    """``_FP8_PTX`` for byte ``parity`` (0 low, 1 high) of each of the register's two words."""
+    return _FP8_PTX.replace("SELECT", "0x0031" if parity else "0x0020")
+
+
 def _fp8_to_bf16(words, parity: int):
     """Byte ``parity`` (0 low, 1 high) of uint16 words [T, n] (WGMMA layout) as the bf16 values
     of those e4m3 codes [T, n] (WGMMA layout). A register of the WGMMA layout holds two
@@ -509,7 +514,7 @@ def _fp8_to_bf16(words, parity: int):
     from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
 
     wgmma = plgpu.Layout.WGMMA
-    ptx = _FP8_PTX.replace("SELECT", "0x0031" if parity else "0x0020")
+    ptx = _fp8_ptx(parity)
     out = plgpu.ShapeDtypeStruct(words.shape, jnp.bfloat16, wgmma)
 
     @plgpu.inline_mgpu(arg_types=(wgmma,), return_type=out)
