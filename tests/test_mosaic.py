@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import operator
 import re
 
 import jax
@@ -26,6 +25,7 @@ from jax_sparse_mla.kernels.mosaic import mla_decode as D
 from jax_sparse_mla.kernels.mosaic import sparse_mla as K
 from jax_sparse_mla.kernels.mosaic import ultraquant as U
 from tests import oracle as O
+from tests import ptx_sim
 
 FORMATS = {
     "sparse_mla": K.FORMAT,
@@ -181,6 +181,99 @@ def test_paged_gather_reads_the_block_table_itself():
         assert line in text
     assert "mad.lo.s32 key, key, 48, off;" in text
     assert "add.u64 src, src, head;" in text  # the CTA's KV head within the token's row
+
+
+def _run_gather(fmt, cache, table, *, length, position=0, head=0):
+    """Runs the producer's PTX (``gather_ptx``) for every tile of a key list of ``length``
+    keys on ``ptx_sim``: ``table`` is the list (``fmt.page_size`` 0) or the request's
+    block-table row, ``position`` the split's first key position (paged), ``head`` the byte
+    offset of the CTA's slot in a row. The list is its own buffer, so that a read past it
+    fails. Yields per tile: the staged rows [T, row_bytes], ids [T], scale words [words, T]."""
+    rows, stride = cache.shape
+    text = P.gather_ptx(fmt, rows, stride)
+    words = len(fmt.scale_words)
+    mem = ptx_sim.Memory()
+    bases = {
+        "$0": mem.add("cache", cache, "global"),
+        "$1": mem.add("list", np.asarray(table, "<i4"), "global"),
+        "$6": mem.add("zero", np.zeros(fmt.row_bytes, np.uint8), "global"),
+        "$7": mem.add("ring", np.zeros(2 * P.T, "<i4"), "shared"),
+        "$3": mem.add("bar", np.zeros(8, np.uint8), "shared"),
+    }
+    for t in range(-(-length // P.T)):
+        garbage = {"raw": P.T * fmt.pitch, "ids": 4 * P.T, "sc": 4 * words * P.T}
+        staged = {
+            k: mem.add(f"{k}{t}", np.full(n, 0xAB, np.uint8), "shared") for k, n in garbage.items()
+        }
+        operands = dict(bases, **{"$2": staged["raw"], "$4": staged["ids"]})
+        operands |= {"$5": length - t * P.T, "$8": t}
+        if not fmt.page_size:
+            operands["$1"] = bases["$1"] + 4 * t * P.T  # the tile's slice of the list
+        extra = 9 + bool(words)  # gather_ptx's numbering: the scales' SMEM, head, position
+        if words:
+            operands["$9"] = staged["sc"]
+        if fmt.fp4:
+            operands[f"${extra}"] = head
+        operands[f"${extra + fmt.fp4}"] = position + t * P.T
+        _, barriers = ptx_sim.run(text, operands, lanes=128, memory=mem)
+        assert list(barriers) == [bases["$3"]] and barriers[bases["$3"]].complete, barriers
+        raw = mem.array(f"raw{t}", np.uint8, (P.T, fmt.pitch))[:, : fmt.row_bytes]
+        ids = mem.array(f"ids{t}", "<i4")
+        yield raw, ids, mem.array(f"sc{t}", "<u4", (words, P.T))
+
+
+def _check_staged(fmt, cache, slots, head, staged):
+    """``staged`` (``_run_gather``'s tile) against the expected slots [T] (-1: masked)."""
+    raw, ids, sc = staged
+    np.testing.assert_array_equal(ids, slots)
+    for j, slot in enumerate(slots):
+        want = cache[slot, head : head + fmt.row_bytes] if slot >= 0 else 0
+        np.testing.assert_array_equal(raw[j], want, err_msg=f"row {j}")
+        for i, offset in enumerate(fmt.scale_words):
+            word = raw[j, offset : offset + 4].view("<u4")[0]
+            assert sc[i, j] == word, (j, i)
+
+
+@pytest.mark.parametrize("name", ["sparse_mla", "mla_decode", "causal, 32 rows"])
+def test_gather_ptx_stages_each_listed_row_and_masks_the_rest(name):
+    """The producer's PTX run lane by lane (``ptx_sim``) over a 150-key list of valid, -1 and
+    out-of-range indices, three tiles: each staged row is the listed cache row or zeros, the
+    ids are the index or -1, the scale words are the row's, each tile's mbarrier completes,
+    and nothing outside the cache, the list and the zero row is read."""
+    fmt = FORMATS[name]
+    rng = np.random.default_rng(0)
+    rows = 300
+    cache = rng.integers(0, 256, (rows, fmt.row_bytes), np.uint8)
+    keys = rng.integers(0, rows, 150)
+    keys[rng.choice(150, 30, replace=False)] = rng.choice([-1, -7, rows, rows + 5, 2**31 - 1], 30)
+    for t, staged in enumerate(_run_gather(fmt, cache, keys, length=len(keys))):
+        tile = np.full(P.T, -1)
+        part = keys[t * P.T : (t + 1) * P.T]
+        tile[: len(part)] = np.where((part >= 0) & (part < rows), part, -1)
+        _check_staged(fmt, cache, tile, 0, staged)
+
+
+@pytest.mark.parametrize("name", ["ultraquant", "ultraquant, 32 rows"])
+def test_paged_gather_ptx_resolves_the_block_table(name):
+    """UltraQuant's producer PTX run lane by lane from a split starting at position 64: lane j
+    of a tile stages slot table[p // block] * block + p % block (p its position) of the CTA's
+    KV head, or zeros where the entry is outside [0, pages); only the table row is read."""
+    fmt = FORMATS[name]
+    block, pages, heads, hb = fmt.page_size, 12, 3, 1
+    rng = np.random.default_rng(1)
+    cache = rng.integers(0, 256, (pages * block, heads * fmt.row_bytes), np.uint8)
+    width = -(-(64 + 150) // block)
+    table = rng.permutation(pages)[:width] if width <= pages else rng.integers(0, pages, width)
+    table[rng.choice(width, 2, replace=False)] = [-1, pages]
+    length = min(150, width * block - 64)
+    head = hb * fmt.row_bytes
+    staged = _run_gather(fmt, cache, table, length=length, position=64, head=head)
+    for t, tile_staged in enumerate(staged):
+        pos = 64 + t * P.T + np.arange(P.T)
+        entry = table[np.minimum(pos // block, width - 1)]
+        live = (np.arange(P.T) < length - t * P.T) & (entry >= 0) & (entry < pages)
+        slots = np.where(live, entry * block + pos % block, -1)
+        _check_staged(fmt, cache, slots, head, tile_staged)
 
 
 def _lowered_text(n_q, h, rows, topk, implementation="mosaic"):
@@ -355,69 +448,11 @@ def test_unpermute_fp4_inverts_the_v_operand_order():
     np.testing.assert_array_equal(natural, np.arange(256))
 
 
-def _bf16_pair(x: int) -> list[float]:
-    """The two bf16 values of a 32-bit register (low half first; subnormals kept)."""
-    bits = np.array([(x & 0xFFFF) << 16, (x >> 16) << 16], np.uint32)
-    return [float(v) for v in bits.view(np.float32)]
-
-
-def _bf16_bits(values) -> int:
-    """[low, high] -> a bf16x2 register; the values must be exact in bf16."""
-    f32 = np.array(values, np.float32).view(np.uint32)
-    assert not (f32 & 0xFFFF).any(), values
-    return int(f32[0] >> 16) | int(f32[1] >> 16) << 16
-
-
-def _f16_bits(value: float) -> int:
-    return int(np.array(value, np.float16).view(np.uint16))
-
-
-def _prmt(a: int, b: int, select: int) -> int:
-    """``prmt.b32`` (default mode): byte i of the result is byte (select >> 4i) & 7 of b:a."""
-    data = a | b << 32
-    return sum((data >> 8 * (select >> 4 * i & 7) & 0xFF) << 8 * i for i in range(4))
-
-
-_PTX_OPS = {  # name -> (sources -> result); bit patterns as ints, f32 registers as floats
-    "shl.b32": lambda a, b: a << b,
-    "shr.u32": lambda a, b: a >> b,
-    "and.b32": operator.and_,
-    "or.b32": operator.or_,
-    "mov.b32": lambda a: a,
-    "prmt.b32": _prmt,
-    "mul.rn.bf16x2": lambda a, b: _bf16_bits(
-        [x * y for x, y in zip(_bf16_pair(a), _bf16_pair(b), strict=True)]
-    ),
-    # the low byte (half) of the source is the low half of the result
-    "cvt.rn.f16x2.e4m3x2": lambda c: sum(
-        _f16_bits(O.E4M3_TABLE[c >> 8 * i & 0xFF]) << 16 * i for i in (0, 1)
-    ),
-    "cvt.f32.f16": lambda h: float(np.array(h, np.uint16).view(np.float16)),
-    "cvt.rn.bf16x2.f32": lambda a, b: _bf16_bits([b, a]),  # a -> the high half
-}
-
-
-def _run_ptx(text: str, regs: dict) -> dict:
-    """Interprets the PTX block ``text`` (one instruction per line) on ``regs`` (operand name ->
-    value, e.g. {"$1": word}); ``mov.b32 {lo, hi}, x`` splits a register into its halves."""
-    for line in text.splitlines():
-        op, *operands = line.rstrip(";").replace(",", " ").split()
-        if op in ("{", "}", ".reg"):
-            continue
-        if operands[0].startswith("{"):  # mov.b32 {lo, hi}, x
-            lo, hi, x = operands[0][1:], operands[1][:-1], regs[operands[2]]
-            regs[lo], regs[hi] = x & 0xFFFF, x >> 16
-            continue
-        dst, *src = operands
-        value = _PTX_OPS[op](*(regs[x] if x in regs else int(x, 0) for x in src))
-        regs[dst] = value & 0xFFFFFFFF if isinstance(value, int) else value
-    return regs
-
-
 def _run_fp4_ptx(text: str, word: int) -> list[float]:
     """``_FP4_PTX`` on one uint32 word with the scale pair 1.0, 1.0 -> the two bf16 results
     (bf16 subnormals kept, as the GPU's ``mul.rn.bf16x2``)."""
-    return _bf16_pair(_run_ptx(text, {"$1": word, "$2": 0x3F803F80})["$0"])
+    (regs,), _ = ptx_sim.run(text, {"$1": word, "$2": 0x3F803F80})
+    return ptx_sim.bf16_pair(regs["$0"])
 
 
 @pytest.mark.parametrize("parity", [0, 1])
@@ -431,7 +466,8 @@ def test_fp8_ptx_is_the_e4m3_value_of_each_words_byte(parity):
     for lo, hi in itertools.product(range(256), repeat=2):
         other = [int(x) << 8 * (1 - parity) for x in others[lo, hi]]
         word = (lo << 8 * parity | other[0]) | (hi << 8 * parity | other[1]) << 16
-        got = _bf16_pair(_run_ptx(text, {"$1": word})["$0"])
+        (regs,), _ = ptx_sim.run(text, {"$1": word})
+        got = ptx_sim.bf16_pair(regs["$0"])
         for code, value in zip((lo, hi), got, strict=True):
             want = O.E4M3_TABLE[code]
             assert value == want or (math.isnan(want) and math.isnan(value)), (code, value)

@@ -1,0 +1,227 @@
+"""A small interpreter of the inline PTX in the Mosaic GPU kernels, for CPU tests.
+
+It runs one block of PTX (as ``_pipeline`` writes it: one instruction per line) for each lane
+of a warpgroup in turn, on Python ints (bit patterns; f32 registers hold floats) and on a
+``Memory`` of named byte regions, so that a test can check what the block computes, which
+bytes it copies where, and that it reads nothing outside the buffers it was given. Only the
+instructions the kernels use are known; any other one fails the test by name.
+
+Semantics taken from the PTX ISA: ``prmt.b32`` (default mode) picks byte (select >> 4i) & 7
+of b:a for byte i; ``cvt.rn.f16x2.e4m3x2`` converts the low byte to the low half;
+``cvt.rn.bf16x2.f32 d, a, b`` puts a in the high half; ``mul.wide`` multiplies 32-bit values
+into 64 bits; asynchronous copies are applied when issued (the kernels wait for them before
+any read); an mbarrier counts one pending arrival, ``cp.async.mbarrier.arrive`` (without
+``.noinc``) adds and removes one, ``mbarrier.arrive.expect_tx`` removes one and expects bytes
+that ``cp.async.bulk`` copies complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import numpy as np
+
+from tests import oracle as O
+
+MASK = {"32": 0xFFFFFFFF, "64": 0xFFFFFFFFFFFFFFFF}
+
+
+def bf16_pair(x: int) -> list[float]:
+    """The two bf16 values of a 32-bit register (low half first; subnormals kept)."""
+    bits = np.array([(x & 0xFFFF) << 16, (x >> 16) << 16], np.uint32)
+    return [float(v) for v in bits.view(np.float32)]
+
+
+def bf16_bits(values) -> int:
+    """[low, high] -> a bf16x2 register; the values must be exact in bf16."""
+    f32 = np.array(values, np.float32).view(np.uint32)
+    assert not (f32 & 0xFFFF).any(), values
+    return int(f32[0] >> 16) | int(f32[1] >> 16) << 16
+
+
+def _f16_bits(value: float) -> int:
+    return int(np.array(value, np.float16).view(np.uint16))
+
+
+def _prmt(a: int, b: int, select: int) -> int:
+    data = a | b << 32
+    return sum((data >> 8 * (select >> 4 * i & 7) & 0xFF) << 8 * i for i in range(4))
+
+
+def _signed(x: int, bits: int = 32) -> int:
+    x &= (1 << bits) - 1
+    return x - (1 << bits) if x >> (bits - 1) else x
+
+
+_COMPARE = {"lt": operator.lt, "le": operator.le, "eq": operator.eq, "ne": operator.ne}
+_COMPARE |= {"ge": operator.ge, "gt": operator.gt}
+
+_VALUE_OPS = {  # opcode -> (sources -> result)
+    "and.b32": operator.and_,
+    "or.b32": operator.or_,
+    "xor.b32": operator.xor,
+    "shl.b32": lambda a, b: a << b,
+    "shr.u32": lambda a, b: (a & MASK["32"]) >> b,
+    "add.u32": operator.add,
+    "add.u64": operator.add,
+    "sub.s32": lambda a, b: _signed(a) - _signed(b),
+    "div.u32": lambda a, b: (a & MASK["32"]) // (b & MASK["32"]),
+    "rem.u32": lambda a, b: (a & MASK["32"]) % (b & MASK["32"]),
+    "mad.lo.s32": lambda a, b, c: _signed(a) * _signed(b) + _signed(c),
+    "mul.wide.u32": lambda a, b: (a & MASK["32"]) * (b & MASK["32"]),
+    "mul.wide.s32": lambda a, b: _signed(a) * _signed(b),
+    "cvt.u64.u32": lambda a: a & MASK["32"],
+    "selp.s32": lambda a, b, p: a if p else b,
+    "selp.b64": lambda a, b, p: a if p else b,
+    "mov.u32": lambda a: a,
+    "mov.s32": lambda a: a,
+    "mov.b32": lambda a: a,
+    "prmt.b32": _prmt,
+    "mul.rn.bf16x2": lambda a, b: bf16_bits(
+        [x * y for x, y in zip(bf16_pair(a), bf16_pair(b), strict=True)]
+    ),
+    "cvt.rn.f16x2.e4m3x2": lambda c: sum(
+        _f16_bits(O.E4M3_TABLE[c >> 8 * i & 0xFF]) << 16 * i for i in (0, 1)
+    ),
+    "cvt.f32.f16": lambda h: float(np.array(h, np.uint16).view(np.float16)),
+    "cvt.rn.bf16x2.f32": lambda a, b: bf16_bits([b, a]),
+}
+_WIDE = ("add.u64", "selp.b64", "mul.wide", "cvt.u64")  # opcodes with 64-bit results
+
+
+@dataclasses.dataclass
+class Region:
+    base: int
+    data: bytearray
+    space: str  # "global" or "shared"
+
+
+class Memory:
+    """Named byte regions at distinct addresses; a read or write outside them fails."""
+
+    def __init__(self):
+        self.regions: dict[str, Region] = {}
+        self._next = 1 << 32
+
+    def add(self, name: str, data, space: str) -> int:
+        """A region holding ``data`` (bytes, or a numpy array's bytes); returns its address."""
+        blob = bytearray(np.ascontiguousarray(data).tobytes())
+        self.regions[name] = Region(self._next, blob, space)
+        base, self._next = self._next, self._next + (1 << 32)
+        return base
+
+    def array(self, name: str, dtype, shape=None) -> np.ndarray:
+        out = np.frombuffer(bytes(self.regions[name].data), dtype)
+        return out if shape is None else out.reshape(shape)
+
+    def _find(self, address: int, size: int, space: str) -> tuple[Region, int]:
+        for name, region in self.regions.items():
+            offset = address - region.base
+            if 0 <= offset and offset + size <= len(region.data):
+                assert region.space == space, f"{space} access to {name}, a {region.space} buffer"
+                return region, offset
+        raise AssertionError(
+            f"{space} access of {size} bytes at {address:#x}: outside every buffer"
+        )
+
+    def read(self, address: int, size: int, space: str) -> bytes:
+        region, offset = self._find(address, size, space)
+        return bytes(region.data[offset : offset + size])
+
+    def write(self, address: int, data: bytes, space: str) -> None:
+        region, offset = self._find(address, len(data), space)
+        region.data[offset : offset + len(data)] = data
+
+
+@dataclasses.dataclass
+class Barrier:
+    """One mbarrier phase: pending arrivals (1 at init) and expected transaction bytes."""
+
+    pending: int = 1
+    tx: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.pending == 0 and self.tx == 0
+
+
+def _address(text: str, regs: dict) -> int:
+    inner = text.strip("[]")
+    name, _, offset = inner.partition("+")
+    return (regs[name] + int(offset or 0)) & MASK["64"]
+
+
+def run(text: str, operands: dict, *, lanes: int = 1, memory: Memory | None = None):
+    """Runs the PTX block ``text`` once per lane (%tid.x = lane) with ``operands`` ($k -> int)
+    -> (each lane's registers, the barriers armed, by address)."""
+    barriers: dict[int, Barrier] = {}
+    lane_regs = []
+    for lane in range(lanes):
+        regs = dict(operands, **{"%tid.x": lane})
+        for line in text.splitlines():
+            line = line.strip().rstrip(";")
+            if line in ("", "{", "}") or line.startswith(".reg"):
+                continue
+            if line.startswith("@"):
+                guard, line = line.split(None, 1)
+                negate, name = guard[1] == "!", guard.lstrip("@!")
+                if bool(regs[name]) == negate:
+                    continue
+            _step(line, regs, memory, barriers)
+        lane_regs.append(regs)
+    return lane_regs, barriers
+
+
+def _value(x: str, regs: dict):
+    return regs[x] if x in regs else int(x, 0)
+
+
+def _step(line: str, regs: dict, memory: Memory | None, barriers: dict) -> None:
+    op, _, rest = line.partition(" ")
+    operands = [x.strip() for x in rest.replace("{", "").replace("}", "").split(",")]
+    if op == "mov.b32" and rest.startswith("{"):  # mov.b32 {lo, hi}, x
+        lo, hi, x = operands
+        regs[lo], regs[hi] = regs[x] & 0xFFFF, regs[x] >> 16 & 0xFFFF
+    elif op in _VALUE_OPS:
+        dst, *src = operands
+        value = _VALUE_OPS[op](*(_value(x, regs) for x in src))
+        width = "64" if op.startswith(_WIDE) else "32"
+        regs[dst] = value & MASK[width] if isinstance(value, int) else value
+    elif op.startswith("setp."):
+        _, cmp, kind = op.split(".")
+        dst, a, b = operands
+        a, b = (_value(x, regs) for x in (a, b))
+        a, b = (_signed(a), _signed(b)) if kind == "s32" else (a & MASK["32"], b & MASK["32"])
+        regs[dst] = _COMPARE[cmp](a, b)
+    elif op == "and.pred":
+        dst, a, b = operands
+        regs[dst] = regs[a] and regs[b]
+    elif op in ("ld.global.nc.s32", "ld.shared.s32"):
+        dst, src = operands
+        space = op.split(".")[1]
+        regs[dst] = int.from_bytes(memory.read(_address(src, regs), 4, space), "little")
+    elif op == "st.shared.s32":
+        dst, src = operands
+        memory.write(_address(dst, regs), (regs[src] & MASK["32"]).to_bytes(4, "little"), "shared")
+    elif op == "cp.async.ca.shared.global":
+        dst, src, size = operands
+        data = memory.read(_address(src, regs), int(size), "global")
+        memory.write(_address(dst, regs), data, "shared")
+    elif op.startswith("cp.async.bulk.shared::cta.global.mbarrier::complete_tx::bytes"):
+        dst, src, size, bar = operands
+        data = memory.read(_address(src, regs), int(size), "global")
+        memory.write(_address(dst, regs), data, "shared")
+        barriers.setdefault(_address(bar, regs), Barrier()).tx -= int(size)
+    elif op.startswith("cp.async.mbarrier.arrive"):
+        assert ".noinc" not in op, op  # +1 pending, then the arrival when the copies land: net 0
+        barriers.setdefault(_address(operands[0], regs), Barrier())
+    elif op.startswith("mbarrier.arrive.expect_tx"):
+        _, bar, size = operands
+        barrier = barriers.setdefault(_address(bar, regs), Barrier())
+        barrier.pending -= 1
+        barrier.tx += int(size)
+    elif op in ("cp.async.wait_all", "bar.sync"):
+        pass  # copies are applied when issued; lanes run one after the other
+    else:
+        raise NotImplementedError(f"ptx_sim does not know {op!r}")
