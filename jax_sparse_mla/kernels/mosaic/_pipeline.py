@@ -477,6 +477,34 @@ def _consumers_barrier():
     sync()
 
 
+def _bf16_pairs_by_ptx(ptx: str, words, *extra, word: int | None = None):
+    """bf16 [words.shape] (WGMMA layout) from ``ptx`` run on each register of the WGMMA
+    layout: $1 is the register of ``words`` as 32 bits (element ``word`` of it where its
+    registers hold two uint32), $2.. those of the arrays ``extra`` (same shape and layout),
+    $0 the result's pair of bf16."""
+    plgpu, _, ir, llvm, _, arith = _mgpu()
+    from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
+
+    wgmma = plgpu.Layout.WGMMA
+    out = plgpu.ShapeDtypeStruct(words.shape, jnp.bfloat16, wgmma)
+
+    @plgpu.inline_mgpu(arg_types=(wgmma,) * (1 + len(extra)), return_type=out)
+    def convert(ctx, words, *extra):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        pair = ir.VectorType.get([2], ir.BF16Type.get())
+        pick = None if word is None else arith.constant(i32, word)
+        regs = words.registers.copy()
+        for idx, reg in np.ndenumerate(words.registers):
+            first = llvm.bitcast(i32, reg) if pick is None else llvm.extractelement(reg, pick)
+            operands = [first, *(llvm.bitcast(i32, x.registers[idx]) for x in extra)]
+            bits = llvm.inline_asm(i32, operands, ptx, "=r" + ",r" * len(operands))
+            regs[idx] = llvm.bitcast(pair, bits)
+        return mgpu.FragmentedArray(_registers=regs, _layout=words.layout, _is_signed=None)
+
+    return convert(words, *extra)
+
+
 # Byte ``parity`` of two adjacent uint16 words (one WGMMA register) -> a bf16 pair: ``prmt``
 # puts the two e4m3 codes in the low 16 bits (selector 0x0020: bytes 0 and 2, the low bytes;
 # 0x0031: bytes 1 and 3), ``cvt.rn.f16x2.e4m3x2`` makes them an f16 pair (the upper byte the
@@ -510,25 +538,7 @@ def _fp8_to_bf16(words, parity: int):
     PTX because jnp's casts (byte masks, then e4m3 -> f16 -> bf16) cost more: on the H200,
     ``mla_decode`` B=128 seq=32768 qlen=1 took 1214.9 us with them and 1070.9 us with this,
     outputs unchanged (the shared suites pass)."""
-    plgpu, _, ir, llvm, _, _ = _mgpu()
-    from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
-
-    wgmma = plgpu.Layout.WGMMA
-    ptx = _fp8_ptx(parity)
-    out = plgpu.ShapeDtypeStruct(words.shape, jnp.bfloat16, wgmma)
-
-    @plgpu.inline_mgpu(arg_types=(wgmma,), return_type=out)
-    def convert(ctx, words):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        pair = ir.VectorType.get([2], ir.BF16Type.get())
-        regs = words.registers.copy()
-        for idx, reg in np.ndenumerate(words.registers):
-            bits = llvm.inline_asm(i32, [llvm.bitcast(i32, reg)], ptx, "=r,r")
-            regs[idx] = llvm.bitcast(pair, bits)
-        return mgpu.FragmentedArray(_registers=regs, _layout=words.layout, _is_signed=None)
-
-    return convert(words)
+    return _bf16_pairs_by_ptx(_fp8_ptx(parity), words)
 
 
 # E2M1 -> bf16 in bits: magnitude code m = (e1 e0 m0) as the bf16 bits m << 6 (exponent field
@@ -576,27 +586,7 @@ def _fp4_operand(words, scale, n: int):
     ``mul.rn.bf16x2`` by 2^120 and one by the scale (powers of two: exact). Eight instructions
     per register where two ``prmt`` byte tables took twelve: ``ultraquant_decode`` B=128
     seq=32768 Hk=8 G=8 went from 10171.9 to 8782.0 us on the H200 (one run, both packages)."""
-    plgpu, _, ir, llvm, _, arith = _mgpu()
-    from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
-
-    wgmma = plgpu.Layout.WGMMA
-    ptx = _fp4_ptx(n % 4)
-    out = plgpu.ShapeDtypeStruct((T, FP4_WORDS), jnp.bfloat16, wgmma)
-
-    @plgpu.inline_mgpu(arg_types=(wgmma, wgmma), return_type=out)
-    def convert(ctx, words, scale):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        pick = arith.constant(i32, n // 4)
-        regs = words.registers.copy()
-        for idx, pair in np.ndenumerate(words.registers):
-            word = llvm.extractelement(pair, pick)
-            factor = llvm.bitcast(i32, scale.registers[idx])
-            bits = llvm.inline_asm(i32, [word, factor], ptx, "=r,r,r")
-            regs[idx] = llvm.bitcast(scale.registers[idx].type, bits)
-        return mgpu.FragmentedArray(_registers=regs, _layout=scale.layout, _is_signed=None)
-
-    return convert(words, scale)
+    return _bf16_pairs_by_ptx(_fp4_ptx(n % 4), words, scale, word=n // 4)
 
 
 def _kernel(*refs, fmt: RowFormat, **smem):
