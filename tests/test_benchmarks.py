@@ -193,6 +193,17 @@ def test_flashmla_adapter_layout():
     assert 0 < row["min_s"] <= row["median_s"] <= row["max_s"]
 
 
+POSITIVE_INTS = "must be a comma list of positive integers"
+
+
+def _assert_rejected(bench, capsys, option: str, values, message: str):
+    """Each of ``values`` for ``option`` makes bench's parser exit with "<option> <message>"."""
+    for bad in values:
+        with pytest.raises(SystemExit):
+            bench.parse_args([option, bad])
+        assert f"{option} {message}" in capsys.readouterr().err, (option, bad)
+
+
 def test_decode_heads_option_sets_the_decode_cases_head_counts(capsys):
     bench = _load_bench()
     args = bench.parse_args(["--quick", "--decode-heads", "16,128"])
@@ -206,10 +217,7 @@ def test_decode_heads_option_sets_the_decode_cases_head_counts(capsys):
         assert q.shape == (case.params["B"] * case.params["qlen"], case.params["H"], 576)
         assert case.name.endswith(f"H={case.params['H']}")
     assert {c.params["H"] for c in cases} == {16, 128}
-    for bad in ("", "12,x", "0", "-4"):
-        with pytest.raises(SystemExit):
-            bench.parse_args(["--decode-heads", bad])
-        assert "--decode-heads must be a comma list of positive integers" in capsys.readouterr().err
+    _assert_rejected(bench, capsys, "--decode-heads", ("", "12,x", "0", "-4"), POSITIVE_INTS)
 
 
 def test_batches_option_sets_both_decode_ops_batch_sizes(capsys):
@@ -226,10 +234,7 @@ def test_batches_option_sets_both_decode_ops_batch_sizes(capsys):
     uq = list(bench.ultraquant_cases(key, shapes))
     assert [c.params["B"] for c in uq] == [1, 3]
     assert [c.args[0].shape[0] for c in uq] == [1, 3]
-    for bad in ("", "1,x", "0"):
-        with pytest.raises(SystemExit):
-            bench.parse_args(["--batches", bad])
-        assert "--batches must be a comma list of positive integers" in capsys.readouterr().err
+    _assert_rejected(bench, capsys, "--batches", ("", "1,x", "0"), POSITIVE_INTS)
 
 
 def test_sparse_option_picks_the_sparse_mla_cases(capsys):
@@ -241,10 +246,8 @@ def test_sparse_option_picks_the_sparse_mla_cases(capsys):
     cases = list(bench.sparse_mla_cases(jax.random.PRNGKey(0), shapes))
     assert [(c.params["n_q"], c.params["H"]) for c in cases] == [(2, 16), (3, 8)]
     assert [c.args[0].shape for c in cases] == [(2, 16, 576), (3, 8, 576)]
-    for bad in ("", "16", "1x16x2", "1x0", "ax16", "1x16,"):
-        with pytest.raises(SystemExit):
-            bench.parse_args(["--sparse", bad])
-        assert "--sparse must be a comma list of n_qxH cases" in capsys.readouterr().err
+    bad = ("", "16", "1x16x2", "1x0", "ax16", "1x16,")
+    _assert_rejected(bench, capsys, "--sparse", bad, "must be a comma list of n_qxH cases")
 
 
 def test_dispatch_cost_prints_a_row_per_chain_length():
