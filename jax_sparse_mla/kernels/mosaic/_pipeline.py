@@ -742,7 +742,7 @@ def _kernel(*refs, fmt: RowFormat, **smem):
             for n in range(8):
                 k = _fp4_operand(words, scale, n)
                 q_t = s["q_lat"].at[8 * c + n]
-                plgpu.wgmma(acc, k, plgpu.transpose_ref(q_t, (1, 0)))
+                plgpu.wgmma(acc, k, q_t.transpose((1, 0)))
             words, scale = slice_of(UQ_V_CODES // 4 + FP4_WORDS * c, CONSUMERS + c)
             for n in range(8):
                 cols = pl.ds(FP4_WORDS * (n % 4), FP4_WORDS)
@@ -762,7 +762,7 @@ def _kernel(*refs, fmt: RowFormat, **smem):
                         w = load(s["raw"].at[stage, :, pl.ds(DB * (b // 2), DB)], wgmma)
                     k = _fp8_to_bf16(w, b % 2)
                     s["v"][b] = jnp.where(jnp.isnan(k), 0, k) if fmt.causal else k
-                    q_t = plgpu.transpose_ref(s["q_lat"].at[b], (1, 0))
+                    q_t = s["q_lat"].at[b].transpose((1, 0))
                     plgpu.wgmma(accs[acc_of(b)], k, q_t)
                     if m > 16:  # at most two K blocks' registers live (see ``_kernel``)
                         plgpu.wgmma_wait(1)
@@ -774,7 +774,7 @@ def _kernel(*refs, fmt: RowFormat, **smem):
                             k = _fp8_to_bf16(w, r)
                         else:
                             k = jax.lax.bitcast_convert_type(w, jnp.bfloat16)
-                        q_t = plgpu.transpose_ref(s["q_rope"].at[r], (1, 0))
+                        q_t = s["q_rope"].at[r].transpose((1, 0))
                         plgpu.wgmma(accs[n_acc - 1], k, q_t)
                 return [a[...] for a in accs]
 
@@ -825,7 +825,7 @@ def _kernel(*refs, fmt: RowFormat, **smem):
 
             def pv(acc_refs):
                 for i, b in enumerate(blocks):
-                    v_t = plgpu.transpose_ref(s["v"].at[b], (1, 0))
+                    v_t = s["v"].at[b].transpose((1, 0))
                     plgpu.wgmma(acc_refs[i], v_t, s["p"].at[p_block(b)])
 
             accs = pl.run_state(pv)(tuple(plgpu.ACC.init(a * by_row(alpha, DB)) for a in accs))
