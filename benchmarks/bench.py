@@ -27,7 +27,9 @@ has that line, else the span of the events tagged with the module, per ``run_id`
 summed durations of each call's events, its kernels' busy time (the flush is another module, so
 it is never counted); the row records which (``times_from_profile``). On the H200 with jax
 0.11.2 the trace had neither of the first two: "device us" there is busy time, which leaves
-out the gaps between a call's kernels.
+out the gaps between a call's kernels. After the table, ``--profiler`` also lists each row's
+kernels (``kernels_per_call``: name, median us, count per call; in the JSON under
+``profiler.kernels``), which tells a kernel's own time from that of the XLA ops around it.
 
 ``--sparse`` picks the sparse_mla cases by (n_q)x(H); ``--decode-heads`` the mla_decode head
 counts.
@@ -403,7 +405,10 @@ def profile_device_times(launch: Callable, sync: Callable, module_name: str, cal
         if not files:
             return None, "jax.profiler wrote no .xplane.pb"
         data = jax.profiler.ProfileData.from_file(files[0])
-        return times_from_profile(data, module_name, calls)
+        found, why = times_from_profile(data, module_name, calls)
+        if found:
+            found["kernels"] = kernels_per_call(data, module_name, calls)
+        return found, why
 
 
 DERIVED_LINES = ("XLA Modules", "XLA Ops", "Steps", "Framework Name Scope", "Framework Ops")
@@ -416,6 +421,40 @@ def _event_stats(ev) -> dict:
         return {}
 
 
+def _planes(data) -> list:
+    """The trace's device planes, or its host planes where it has none (the CPU backend)."""
+    planes = [p for p in data.planes if p.name.startswith("/device:")]
+    return planes or [p for p in data.planes if p.name.startswith("/host:")]
+
+
+def _module_events(data, module_name: str) -> Iterator[tuple[str, object, dict]]:
+    """(plane name, event, its stats) of each event tagged with the module (``_planes``; the
+    derived lines, which repeat the kernels, left out)."""
+    for plane in _planes(data):
+        for line in plane.lines:
+            if line.name in DERIVED_LINES:
+                continue
+            for ev in line.events:
+                stats = _event_stats(ev)
+                if module_name in str(stats.get("hlo_module", "")):
+                    yield plane.name, ev, stats
+
+
+def kernels_per_call(data, module_name: str, calls: int) -> list[dict]:
+    """What one call of the module runs, from a trace of ``calls`` calls: per event (kernel)
+    name, its count per call and median duration in seconds ({"name", "per_call",
+    "median_s"}), the largest share of the call first. Tells a kernel's own time from that of
+    the XLA ops around it."""
+    durations: dict[str, list[float]] = {}
+    for _, ev, _ in _module_events(data, module_name):
+        durations.setdefault(ev.name, []).append(ev.duration_ns * 1e-9)
+    kernels = [
+        {"name": name, "per_call": len(d) / calls, "median_s": float(np.median(d))}
+        for name, d in durations.items()
+    ]
+    return sorted(kernels, key=lambda k: -k["per_call"] * k["median_s"])
+
+
 def times_from_profile(data, module_name: str, calls: int):
     """The device planes ("/device:..."; the host planes where there is none, as on the CPU
     backend, which runs the module on host threads): 1) "XLA Modules" events named
@@ -424,9 +463,7 @@ def times_from_profile(data, module_name: str, calls: int):
     start order, cut into ``calls`` runs of equal length (every call of a jitted function
     launches the same kernels, one call after another): each run's summed duration, the
     kernels' busy time per call; else 4) their summed duration / calls (one value)."""
-    planes = [p for p in data.planes if p.name.startswith("/device:")]
-    planes = planes or [p for p in data.planes if p.name.startswith("/host:")]
-    for plane in planes:
+    for plane in _planes(data):
         for line in plane.lines:
             if line.name == "XLA Modules":
                 times = [ev.duration_ns * 1e-9 for ev in line.events if module_name in ev.name]
@@ -434,20 +471,13 @@ def times_from_profile(data, module_name: str, calls: int):
                     return {"method": "XLA Modules events", "plane": plane.name, "times": times}, ""
     runs: dict = {}
     events, where = [], ""  # (start, duration) of the module's events
-    for plane in planes:
-        for line in plane.lines:
-            if line.name in DERIVED_LINES:
-                continue
-            for ev in line.events:
-                stats = _event_stats(ev)
-                if module_name not in str(stats.get("hlo_module", "")):
-                    continue
-                where = plane.name
-                events.append((ev.start_ns, ev.duration_ns))
-                if "run_id" in stats:
-                    span = runs.setdefault(stats["run_id"], [math.inf, -math.inf])
-                    span[0] = min(span[0], ev.start_ns)
-                    span[1] = max(span[1], ev.start_ns + ev.duration_ns)
+    for plane, ev, stats in _module_events(data, module_name):
+        where = plane
+        events.append((ev.start_ns, ev.duration_ns))
+        if "run_id" in stats:
+            span = runs.setdefault(stats["run_id"], [math.inf, -math.inf])
+            span[0] = min(span[0], ev.start_ns)
+            span[1] = max(span[1], ev.start_ns + ev.duration_ns)
     if runs:
         times = [(end - begin) * 1e-9 for begin, end in runs.values()]
         return {"method": "span of each run_id's events", "plane": where, "times": times}, ""
@@ -698,6 +728,25 @@ def markdown_row(row: dict) -> str:
     return "| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |"
 
 
+def kernels_table(rows: list[dict], top: int = 6) -> str:
+    """One line per profiled row: its ``top`` kernels by share of a call (``kernels_per_call``),
+    each as name, median us and, past one, the count per call."""
+    lines = ["kernels of one call (jax.profiler; median us, x count per call past one):"]
+    for row in rows:
+        kernels = (row.get("profiler") or {}).get("kernels")
+        if not kernels:
+            continue
+        cells = [
+            f"{k['name'][:48]} {_us(k['median_s'])}"
+            + (f" x{k['per_call']:g}" if k["per_call"] != 1 else "")
+            for k in kernels[:top]
+        ]
+        more = f", {len(kernels) - top} more" if len(kernels) > top else ""
+        name = f"{row['op']} {row['case']} {row['implementation']}"
+        lines.append(f"- {name}: {', '.join(cells)}{more}")
+    return "\n".join(lines)
+
+
 def _row_key(case: Case, impl: str, source: str) -> dict:
     return {
         "op": case.op,
@@ -796,6 +845,7 @@ def bench_case(case: Case, impls: list[str], ctx: dict) -> list[dict]:
                         "values": len(found["times"]),
                         "method": found["method"],
                         "plane": found["plane"],
+                        "kernels": found["kernels"],
                     }
                     if found
                     else {"error": why}
@@ -976,6 +1026,8 @@ def main(argv=None) -> dict:
             print(f"({op} has no implementation {', '.join(missing)}: skipped)", flush=True)
         for case in CASES[op](key, shapes):
             rows += bench_case(case, impls, ctx)
+    if args.profiler:
+        print(kernels_table(rows))
     report = {
         "schema": 1,
         "time_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -76,8 +76,12 @@ def test_quick_run_json(tmp_path):
         assert isinstance(prof, dict) and ("median_s" in prof or prof["error"]), prof
         if "median_s" in prof:
             assert 0 < prof["min_s"] <= prof["median_s"] <= prof["max_s"] and prof["method"]
+            assert prof["kernels"] and all(k["median_s"] > 0 for k in prof["kernels"])
     table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
     assert len(table) == 2 + len(rows)  # header, separator, one line per row
+    after = done.stdout.split("kernels of one call")[1].splitlines()[1:]
+    kernels = [line for line in after if line.startswith("- ")]
+    assert len(kernels) == sum("median_s" in r["profiler"] for r in rows), kernels
 
 
 def test_default_implementations_are_native():
@@ -261,7 +265,8 @@ def test_dispatch_cost_prints_a_row_per_chain_length():
 
 
 def _trace(*lines, plane="/device:GPU:0"):
-    """A stand-in for jax.profiler.ProfileData: lines of (name, [(start, duration, stats)])."""
+    """A stand-in for jax.profiler.ProfileData: lines of (name, [(start, duration, stats[,
+    event name])]) (event name "ev" where not given)."""
     ns = types.SimpleNamespace
     return ns(
         planes=[
@@ -271,8 +276,10 @@ def _trace(*lines, plane="/device:GPU:0"):
                     ns(
                         name=name,
                         events=[
-                            ns(name="ev", start_ns=t, duration_ns=d, stats=list(stats.items()))
-                            for t, d, stats in events
+                            ns(name=ev, start_ns=t, duration_ns=d, stats=list(stats.items()))
+                            for t, d, stats, ev in (
+                                e if len(e) == 4 else (*e, "ev") for e in events
+                            )
                         ],
                     )
                     for name, events in lines
@@ -280,6 +287,30 @@ def _trace(*lines, plane="/device:GPU:0"):
             )
         ]
     )
+
+
+def test_kernels_per_call_name_each_kernel_with_its_median_and_count():
+    bench = _load_bench()
+    mod = {"hlo_module": "jit_bench_op"}
+    us = 1000  # ns
+    # Two calls, one per stream: a fusion, a kernel, a fusion run twice; and another module.
+    first = [(0, 7 * us, mod, "fusion"), (10, 40 * us, mod, "kernel")]
+    first += [(20, 5 * us, mod, "prep"), (25, 5 * us, mod, "prep")]
+    second = [(30, 9 * us, mod, "fusion"), (40, 44 * us, mod, "kernel")]
+    second += [(50, 6 * us, mod, "prep"), (55, 6 * us, mod, "prep")]
+    second += [(60, 999 * us, {"hlo_module": "jit_other"}, "other")]
+    trace = _trace(("Stream #1", first), ("Stream #2", second))
+    got = bench.kernels_per_call(trace, "bench_op", calls=2)
+    assert [k["name"] for k in got] == [
+        "kernel",
+        "prep",
+        "fusion",
+    ]  # by share of a call (8 us once < 5.5 us twice)
+    assert [k["per_call"] for k in got] == [1, 2, 1]
+    assert [k["median_s"] for k in got] == pytest.approx([42e-6, 5.5e-6, 8e-6])
+    row = {"op": "sparse_mla", "case": "n_q=1", "implementation": "mosaic"}
+    table = bench.kernels_table([{**row, "profiler": {"kernels": got}}, row], top=2)
+    assert table.splitlines()[1:] == ["- sparse_mla n_q=1 mosaic: kernel 42.0, prep 5.5 x2, 1 more"]
 
 
 def test_profile_times_per_call_from_each_source_the_trace_has():
