@@ -34,8 +34,9 @@ def f64(x) -> np.ndarray:
     return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
 
 
-# None: the best implementation for the default backend (the Pallas kernels on a Hopper GPU,
-# "xla" elsewhere); "gfx950_emulation": the MI355 kernels' own arithmetic, on any backend.
+# None: the best implementation for the default backend (the Mosaic GPU kernels on a Hopper GPU,
+# the FlyDSL ones on an MI355, "xla" elsewhere); "gfx950_emulation": the MI355 kernels' own
+# arithmetic, on any backend.
 IMPLEMENTATIONS = (None, "gfx950_emulation")
 
 
@@ -184,8 +185,9 @@ def main() -> None:
     )
     print(
         "max rel err = max |out - float64 reference| / max |reference| per row; bf16 output\n"
-        "rounding alone can reach 2^-8 = 3.9e-03; the gfx950 emulation adds the kernels' own\n"
-        "roundings (fp8 q split, fp16 / bf16 P, the UltraQuant q haircut to e4m3)"
+        "rounding alone can reach 2^-8 = 3.9e-03; the GPU kernels round P to bf16 for P @ V,\n"
+        "which can add about as much; the gfx950 emulation adds the kernels' own roundings\n"
+        "(fp8 q split, fp16 / bf16 P, the UltraQuant q haircut to e4m3)"
     )
     rng = np.random.default_rng(0)
     demo_sparse_mla(rng)
