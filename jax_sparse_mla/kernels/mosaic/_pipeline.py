@@ -24,9 +24,9 @@ tiles of ``T`` = 64 keys. Three warpgroups:
   rows cost 16 columns. One consumer alone left the SM idle between dependent instructions; two
   halve each one's registers and share the one bf16 V tile SMEM holds. Four, of one chunk each
   (104 registers), were slower on the H200: 1.19x at ``mla_decode`` B=128 seq=32768 qlen=1,
-  1.11x at ``sparse_mla`` n_q=128 H=16. Rows are wgmma's N, so 32
-  rows per CTA cost registers and SMEM (one fewer stage), not instructions: every CTA converts
-  and multiplies each key's codes once for all its rows.
+  1.11x at ``sparse_mla`` n_q=128 H=16. Rows are wgmma's N, so 32 rows per CTA cost registers
+  and SMEM (one fewer stage), not instructions: every CTA converts and multiplies each key's
+  codes once for all its rows.
 
 Numerics: scales multiply partial scores and P (rounded to bf16 after that product), never K or
 V, so every product is exact and accumulation is f32.
