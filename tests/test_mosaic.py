@@ -30,7 +30,8 @@ from tests import oracle as O
 from tests import ptx_sim
 
 FORMATS = {
-    "sparse_mla": K.FORMAT,
+    "sparse_mla": K.row_format(16),
+    "sparse_mla, 32 rows": K.row_format(128),
     "mla_decode": D.row_format(1, 16),
     "causal, 16 rows": D.row_format(2, 8),
     "causal, 32 rows": D.row_format(2, 12),
@@ -39,7 +40,7 @@ FORMATS = {
 }
 
 
-def test_decode_takes_32_rows_per_cta_past_16():
+def test_32_rows_per_cta_past_16():
     assert [D.row_format(qlen, h).m for qlen, h in [(1, 16), (2, 8), (1, 17), (2, 12), (4, 8)]] == [
         16,
         16,
@@ -47,7 +48,7 @@ def test_decode_takes_32_rows_per_cta_past_16():
         32,
         32,
     ]
-    assert K.FORMAT.m == 16
+    assert [K.row_format(h).m for h in (1, 16, 17, 32, 128)] == [16, 16, 32, 32, 32]
 
 
 def _latent_columns(lat_blocks):
@@ -67,11 +68,12 @@ def _check_latent(blocks, rows):
     assert not blocks[:, r:].any()
 
 
-def test_sparse_permute_q_blocks_hold_even_and_odd_dims_then_the_rope():
+@pytest.mark.parametrize("hbs,m", [(2, 16), (1, 32)])
+def test_sparse_permute_q_blocks_hold_even_and_odd_dims_then_the_rope(hbs, m):
     rng = np.random.default_rng(0)
     q = rng.normal(size=(3, 20, 576)).astype(np.float32)
-    lat, rope = (np.asarray(x) for x in K.permute_q(jnp.asarray(q), 2))
-    assert lat.shape == (3, 2, P.LATENT_BLOCKS, 16, P.DB) and rope.shape == (3, 2, 1, 16, 64)
+    lat, rope = (np.asarray(x) for x in K.permute_q(jnp.asarray(q), hbs, m))
+    assert lat.shape == (3, hbs, P.LATENT_BLOCKS, m, P.DB) and rope.shape == (3, hbs, 1, m, 64)
     _check_latent(_latent_columns(lat), q)
     rope = rope.reshape(3, 32, 64)
     np.testing.assert_array_equal(rope[:, :20], q[:, :, 512:])
