@@ -604,8 +604,9 @@ def _kernel(*refs, fmt: RowFormat, **smem):
     key position of the split within its group's list, the list's length, 0...); scale [128]
     f32 (the score scale in log2 units, then the output scale); causal only: rowpos [HB, 64]
     int32 (each row's query position), iota [64] int32. Outputs: o [G, S, HB, 512, m] f32
-    (O^T, permuted dims); lse [G, S, HB, 64] f32 (log2 units in the first m entries; -inf for
-    a row without keys). ``smem``: ``_scratch``'s buffers and barriers.
+    (O^T, permuted dims); lse [G, S, HB, m] f32 (natural log, as the ops return it, so that
+    with one split no XLA kernel slices or scales it; -inf for a row without keys). ``smem``:
+    ``_scratch``'s buffers and barriers.
 
     Warpgroups 0 .. CONSUMERS - 1 consume, warpgroup CONSUMERS produces. Consumer c converts,
     scores and accumulates only its own latent chunks (consumer 0 also the rope): the partial
@@ -854,10 +855,10 @@ def _kernel(*refs, fmt: RowFormat, **smem):
             plgpu.commit_smem()  # (a warpgroup barrier) s[c] is free again for every thread
         if c == 0:
             s["lse"][pl.ds(0, m)] = jnp.where(
-                has, m_run + jnp.log2(jnp.where(has, l_run, 1.0)), -jnp.inf
+                has, (m_run + jnp.log2(jnp.where(has, l_run, 1.0))) * (1 / LOG2E), -jnp.inf
             )
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(s["lse"], lse_ref.at[g, split, hb])
+            plgpu.copy_smem_to_gmem(s["lse"].at[pl.ds(0, m)], lse_ref.at[g, split, hb])
         plgpu.wait_smem_to_gmem(0)
 
     for c in range(CONSUMERS):
@@ -980,7 +981,7 @@ def attention(
         functools.partial(_kernel, fmt=fmt),
         out_type=(
             jax.ShapeDtypeStruct((g, splits, hbs, fmt.dims, m), jnp.float32),
-            jax.ShapeDtypeStruct((g, splits, hbs, 64), jnp.float32),
+            jax.ShapeDtypeStruct((g, splits, hbs, m), jnp.float32),
         ),
         scratch_types=_scratch(fmt),
         grid=(g * hbs, splits),  # a group's row blocks side by side: their gathers share L2
@@ -995,7 +996,7 @@ def attention(
     )(*inputs)
     o = o_t.swapaxes(-1, -2).reshape(g, splits, hbs * m, fmt.dims)
     o = unpermute_fp4(o) if fmt.fp4 else unpermute_out(o)
-    return o, lse2[..., :m].reshape(g, splits, hbs * m) / LOG2E
+    return o, lse2.reshape(g, splits, hbs * m)
 
 
 def merge_splits(o, lse):
