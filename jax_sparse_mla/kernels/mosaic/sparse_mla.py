@@ -6,9 +6,9 @@ scores and P, never K or V. One CTA owns 16 heads of one query row, 32 past 16 h
 heads take several CTAs, launched side by side so that their gathers of the same records meet
 in L2), and one split of the row's key list. Heads are wgmma's N dimension, so 16 heads cost
 16 columns (FlashMLA pads them to 64 rows), and a CTA converts each record once for all its
-heads: at 128 heads, 32 rows per CTA (two record stages) took 478.5 against 633.4 us at n_q=128
-and 3629.7 against 4844.8 at n_q=1024 on the H200 (one probe run, outputs as with 16). The rope
-is 64 bf16 values: one operand block.
+heads: at 128 heads, 32 rows per CTA (two record stages) took 470.4 against 634.8 us at n_q=128
+and 3618.1 against 4815.3 at n_q=1024 on the H200 (``bench.py``, two runs of 2026-12-02). The
+rope is 64 bf16 values: one operand block.
 """
 
 from __future__ import annotations
