@@ -186,6 +186,13 @@ def consumer_registers() -> int:
     return (launch - 128 * PRODUCER_REGISTERS) // (128 * CONSUMERS) // 8 * 8
 
 
+def rows_per_cta(rows: int) -> int:
+    """``RowFormat.m`` for ``rows`` query rows that share their keys (a ``sparse_mla`` row's
+    heads, a decode request's positions x heads, a KV head's query heads): 16 up to 16, else
+    32, so that each CTA converts a key once for as many of them as its registers allow."""
+    return 16 if rows <= 16 else 32
+
+
 def stages_for(fmt: RowFormat) -> int:
     """Row stages that fit in SMEM beside q, P^T and V (bf16) and each consumer's partial
     scores (f32), which also stage its output after the walk."""

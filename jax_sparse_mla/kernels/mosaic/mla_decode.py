@@ -31,6 +31,7 @@ from jax_sparse_mla.kernels.mosaic._pipeline import (
     per_element_vmap,
     permute_latent,
     row_blocks,
+    rows_per_cta,
     work,
 )
 from jax_sparse_mla.reference.mla_decode import SPLIT_ALIGN
@@ -48,7 +49,7 @@ def row_format(qlen: int, heads: int) -> RowFormat:
         rope_word=LATENT_DIM // 2,
         rope_fp8=True,
         qlen=qlen,
-        m=16 if qlen * heads <= 16 else 32,
+        m=rows_per_cta(qlen * heads),
     )
 
 

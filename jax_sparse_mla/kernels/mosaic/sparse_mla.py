@@ -30,6 +30,7 @@ from jax_sparse_mla.kernels.mosaic._pipeline import (
     per_element_vmap,
     permute_latent,
     row_blocks,
+    rows_per_cta,
     work,
 )
 from jax_sparse_mla.reference.sparse_mla import no_keys
@@ -44,7 +45,7 @@ def row_format(heads: int) -> RowFormat:
         scale_words=tuple(SCALES_OFFSET + 4 * c for c in range(CHUNKS)),
         rope_word=ROPE_OFFSET // 2,
         rope_fp8=False,
-        m=16 if heads <= 16 else 32,
+        m=rows_per_cta(heads),
     )
 
 

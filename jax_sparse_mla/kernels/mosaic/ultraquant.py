@@ -41,6 +41,7 @@ from jax_sparse_mla.kernels.mosaic._pipeline import (
     fp4_q,
     merge_splits,
     per_element_vmap,
+    rows_per_cta,
     work_lists,
 )
 
@@ -59,7 +60,7 @@ def row_format(group: int, block_size: int) -> RowFormat:
         scale_words=(UQ_K_SCALES, UQ_K_SCALES + 4, UQ_V_SCALES, UQ_V_SCALES + 4),
         rope_word=0,
         rope_fp8=False,
-        m=16 if group <= 16 else 32,
+        m=rows_per_cta(group),
         fp4=True,
         page_size=block_size,
     )
