@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Callable
 
 import jax
+import numpy as np
 
 from jax_sparse_mla import ffi
 from jax_sparse_mla._vma import vary_like
@@ -24,14 +25,23 @@ def by_platform(default: Callable, **per_platform: Callable) -> Callable:
     """``fn(*arrays, **options)`` that runs ``per_platform[p]`` when lowered for platform ``p``
     (e.g. ``cuda=...``) and ``default`` elsewhere (``jax.lax.platform_dependent``: a lowering
     holds only its own platform's branch). Every branch must return the same shapes; under
-    ``jax.shard_map`` each output varies over the axes any argument varies over."""
+    ``jax.shard_map`` each output varies over the axes any argument varies over. Python and
+    numpy scalars among ``arrays`` reach the branches as they are (static), not as operands."""
 
     def run(*args, **options):
+        static = [isinstance(a, (float, np.floating)) for a in args]
+
         def branch(f):
-            return lambda *xs: vary_like(f(*xs, **options), *xs, options)
+            def call(*xs):
+                it = iter(xs)
+                full = [a if s else next(it) for a, s in zip(args, static, strict=True)]
+                return vary_like(f(*full, **options), *xs, options)
+
+            return call
 
         branches = {p: branch(f) for p, f in per_platform.items()}
-        return jax.lax.platform_dependent(*args, default=branch(default), **branches)
+        operands = [a for a, s in zip(args, static, strict=True) if not s]
+        return jax.lax.platform_dependent(*operands, default=branch(default), **branches)
 
     return run
 

@@ -6,13 +6,13 @@ of a warpgroup in turn, on Python ints (bit patterns; f32 registers hold floats)
 bytes it copies where, and that it reads nothing outside the buffers it was given. Only the
 instructions the kernels use are known; any other one fails the test by name.
 
-Semantics taken from the PTX ISA: ``prmt.b32`` (default mode) picks byte (select >> 4i) & 7
-of b:a for byte i; ``cvt.rn.f16x2.e4m3x2`` converts the low byte to the low half;
-``cvt.rn.bf16x2.f32 d, a, b`` puts a in the high half; ``mul.wide`` multiplies 32-bit values
-into 64 bits; asynchronous copies are applied when issued (the kernels wait for them before
-any read); an mbarrier counts one pending arrival, ``cp.async.mbarrier.arrive`` (without
-``.noinc``) adds and removes one, ``mbarrier.arrive.expect_tx`` removes one and expects bytes
-that ``cp.async.bulk`` copies complete.
+Semantics taken from the PTX ISA: ``div.s32`` truncates toward zero; ``prmt.b32`` (default mode)
+picks byte (select >> 4i) & 7 of b:a for byte i; ``cvt.rn.f16x2.e4m3x2`` converts the low byte to
+the low half; ``cvt.rn.bf16x2.f32 d, a, b`` puts a in the high half; ``mul.wide`` multiplies 32-bit
+values into 64 bits; asynchronous copies are applied when issued (the kernels wait for them before
+any read); an mbarrier counts one pending arrival, ``cp.async.mbarrier.arrive`` (without ``.noinc``)
+adds and removes one, ``mbarrier.arrive.expect_tx`` removes one and expects bytes that
+``cp.async.bulk`` copies complete.
 """
 
 from __future__ import annotations
@@ -64,6 +64,11 @@ _VALUE_OPS = {  # opcode -> (sources -> result)
     "shl.b32": lambda a, b: a << b,
     "shr.u32": lambda a, b: (a & MASK["32"]) >> b,
     "add.u32": operator.add,
+    "add.s32": lambda a, b: _signed(a) + _signed(b),
+    "max.s32": lambda a, b: max(_signed(a), _signed(b)),
+    "min.s32": lambda a, b: min(_signed(a), _signed(b)),
+    "mul.lo.s32": lambda a, b: _signed(a) * _signed(b),
+    "div.s32": lambda a, b: int(_signed(a) / _signed(b)),  # truncates toward zero
     "add.u64": operator.add,
     "sub.s32": lambda a, b: _signed(a) - _signed(b),
     "div.u32": lambda a, b: (a & MASK["32"]) // (b & MASK["32"]),
@@ -201,9 +206,19 @@ def _step(line: str, regs: dict, memory: Memory | None, barriers: dict) -> None:
         dst, src = operands
         space = op.split(".")[1]
         regs[dst] = int.from_bytes(memory.read(_address(src, regs), 4, space), "little")
-    elif op == "st.shared.s32":
+    elif op in ("st.shared.s32", "st.global.b32"):
         dst, src = operands
-        memory.write(_address(dst, regs), (regs[src] & MASK["32"]).to_bytes(4, "little"), "shared")
+        space = op.split(".")[1]
+        memory.write(_address(dst, regs), (regs[src] & MASK["32"]).to_bytes(4, "little"), space)
+    elif op.startswith("ld.global.nc.v"):  # ld.global.nc.vN.b32 {d0, ..}, [a]
+        *dsts, src = operands
+        data = memory.read(_address(src, regs), 4 * len(dsts), "global")
+        for i, dst in enumerate(dsts):
+            regs[dst] = int.from_bytes(data[4 * i : 4 * i + 4], "little")
+    elif op.startswith("st.shared.v"):  # st.shared.vN.b32 [a], {s0, ..}
+        dst, *srcs = operands
+        data = b"".join((regs[x] & MASK["32"]).to_bytes(4, "little") for x in srcs)
+        memory.write(_address(dst, regs), data, "shared")
     elif op == "cp.async.ca.shared.global":
         dst, src, size = operands
         data = memory.read(_address(src, regs), int(size), "global")
@@ -221,7 +236,7 @@ def _step(line: str, regs: dict, memory: Memory | None, barriers: dict) -> None:
         barrier = barriers.setdefault(_address(bar, regs), Barrier())
         barrier.pending -= 1
         barrier.tx += int(size)
-    elif op in ("cp.async.wait_all", "bar.sync"):
+    elif op in ("cp.async.wait_all", "bar.sync") or op.startswith("fence."):
         pass  # copies are applied when issued; lanes run one after the other
     else:
         raise NotImplementedError(f"ptx_sim does not know {op!r}")

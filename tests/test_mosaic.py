@@ -68,16 +68,63 @@ def _check_latent(blocks, rows):
     assert not blocks[:, r:].any()
 
 
-@pytest.mark.parametrize("hbs,m", [(2, 16), (1, 32)])
-def test_sparse_permute_q_blocks_hold_even_and_odd_dims_then_the_rope(hbs, m):
-    rng = np.random.default_rng(0)
-    q = rng.normal(size=(3, 20, 576)).astype(np.float32)
-    lat, rope = (np.asarray(x) for x in K.permute_q(jnp.asarray(q), hbs, m))
-    assert lat.shape == (3, hbs, P.LATENT_BLOCKS, m, P.DB) and rope.shape == (3, hbs, 1, m, 64)
-    _check_latent(_latent_columns(lat), q)
-    rope = rope.reshape(3, 32, 64)
-    np.testing.assert_array_equal(rope[:, :20], q[:, :, 512:])
-    assert not rope[:, 20:].any()
+def _unswizzle(buf: np.ndarray, rows: int) -> np.ndarray:
+    """SMEM bytes of bf16 blocks of ``rows`` rows of 128 bytes, 128-byte swizzled (byte offset
+    o holds logical offset o ^ (((o >> 7) % 8) << 4), TMA's and wgmma's swizzle) -> [blocks,
+    rows, 64] uint16 in logical order."""
+    offsets = np.arange(buf.size)
+    logical = np.empty_like(buf)
+    logical[offsets ^ (((offsets >> 7) % 8) << 4)] = buf
+    return logical.view("<u2").reshape(-1, rows, P.DB)
+
+
+@pytest.mark.parametrize("heads,row0", [(16, 0), (128, 96), (20, 0), (40, 32)])
+def test_q_rows_ptx_stages_the_operand_blocks_of_the_ctas_rows(heads, row0):
+    """Both consumers' q staging (``q_rows_ptx``) run lane by lane: with the 128-byte swizzle
+    undone, block 2c + p, column j of row r holds dim 128c + 2j + p of q row row0 + r and the
+    rope block its 64 dims, rows past ``heads`` zeros; every byte is written, and only the
+    group's q rows are read."""
+    fmt = K.row_format(heads)
+    m = fmt.m
+    rng = np.random.default_rng(heads)
+    q = rng.integers(0, 2**16, (heads, 576), np.uint16)
+    mem = ptx_sim.Memory()
+    operands = {"$0": mem.add("q", q.astype("<u2"), "global"), "$3": row0}
+    operands["$1"] = mem.add("lat", np.full(P.LATENT_BLOCKS * m * 128, 0xAB, np.uint8), "shared")
+    operands["$2"] = mem.add("rope", np.full(m * 128, 0xAB, np.uint8), "shared")
+    for c in range(P.CONSUMERS):
+        ptx_sim.run(P.q_rows_ptx(fmt, c), operands, lanes=128, memory=mem)
+    rows = np.zeros((m, 576), np.uint16)
+    mine = q[row0 : row0 + m]
+    rows[: len(mine)] = mine
+    lat = _unswizzle(mem.array("lat", np.uint8), m)
+    _check_latent(lat.transpose(1, 0, 2)[None], rows[None])
+    np.testing.assert_array_equal(_unswizzle(mem.array("rope", np.uint8), m)[0], rows[:, 512:])
+
+
+def test_out_rows_ptx_interleaves_each_chunks_even_and_odd_dims_into_bf16_rows():
+    """``out_rows_ptx`` run for every (j, r) of one chunk's O^T blocks, as the WGMMA layout's
+    registers would: row row0 + r, dims 128c + 2j and + 1 hold even[j, r] and odd[j, r] as
+    bf16; rows past ``heads`` are never written (the buffer ends there)."""
+    heads, row0, chunk = 20, 16, 2
+    fmt = K.row_format(heads)
+    rng = np.random.default_rng(5)
+    even, odd = (O.round_bf16(rng.normal(size=(P.DB, fmt.m))) for _ in range(2))
+    mem = ptx_sim.Memory()
+    out = mem.add("out", np.zeros((heads, 512), "<u2"), "global")
+    text = P.out_rows_ptx(fmt, chunk)
+    for j in range(P.DB):
+        for r in range(0, fmt.m, 2):
+            pairs = [even[j, r], even[j, r + 1], odd[j, r], odd[j, r + 1]]
+            values = {f"${4 + i}": float(v) for i, v in enumerate(pairs)}
+            ptx_sim.run(text, {"$0": out, "$1": j, "$2": r, "$3": row0, **values}, memory=mem)
+    got = (mem.array("out", "<u2", (heads, 512)).astype(np.uint32) << 16).view(np.float32)
+    mine = heads - row0
+    np.testing.assert_array_equal(got[row0:, 128 * chunk : 128 * chunk + 128 : 2], even.T[:mine])
+    np.testing.assert_array_equal(got[row0:, 128 * chunk + 1 : 128 * chunk + 128 : 2], odd.T[:mine])
+    untouched = np.ones_like(got, bool)
+    untouched[row0:, 128 * chunk : 128 * chunk + 128] = False
+    assert not got[untouched].any()
 
 
 @pytest.mark.parametrize("hbs,m", [(2, 16), (1, 32)])
@@ -108,26 +155,41 @@ def test_unpermute_out_inverts_the_block_order():
 
 @pytest.mark.parametrize("align", [P.T, 128])
 @pytest.mark.parametrize("splits", [1, 3, 8])
-def test_work_covers_each_list_once_in_aligned_splits(splits, align):
-    """Each list's splits tile [start, start + length) in order, cut at multiples of
+def test_work_ptx_covers_each_list_once_in_aligned_splits(splits, align):
+    """Thread 0's work entry (``init_ptx`` with a ``SplitRule``, run on ``ptx_sim``) for each
+    list and split: the splits tile [start, start + length) in order, cut at multiples of
     ``align``, with indptr clipped to [0, nnz] (a decreasing entry makes an empty list); each
-    entry also carries its split's start within the list and the list's length."""
+    entry also carries its split's start within the list and the list's length; the entries
+    are ``work_lists``'s (the rule of the paged kernel's XLA-made entries); only indptr[g] and
+    indptr[g + 1] are read."""
     nnz = 1000
-    indptr = np.array([0, 0, 130, 129, 700, 2000, 900], np.int32)
-    work = np.asarray(P.work(jnp.asarray(indptr), nnz, splits, align))
-    assert work.shape == (6, splits, P.WORK) and not work[..., 4:].any()
-    for r in range(6):
+    indptr = np.array([0, 0, 130, 129, 700, 2000, 900, -5], np.int32)
+    lists = len(indptr) - 1
+    text = P.init_ptx(0, P.SplitRule(nnz, splits, align))
+    work = np.zeros((lists, splits, 4), np.int32)
+    for g, s in itertools.product(range(lists), range(splits)):
+        mem = ptx_sim.Memory()
+        operands = {"$0": 0, "$3": g, "$4": s}
+        operands["$1"] = mem.add("indptr", indptr[g : g + 2].astype("<i4"), "global") - 4 * g
+        operands["$2"] = mem.add("work", np.full(4, -99, "<i4"), "shared")
+        ptx_sim.run(text, operands, lanes=2, memory=mem)
+        work[g, s] = mem.array("work", "<i4")
+    for r in range(lists):
         start = min(max(indptr[r], 0), nnz)
         end = min(max(indptr[r + 1], start), nnz)
         pos = start
         for s in range(splits):
-            first, length, lo, total = work[r, s, :4]
+            first, length, lo, total = work[r, s]
             assert total == end - start and lo == pos - start
             assert length >= 0 and (length == 0 or first == pos)
             if s < splits - 1 and work[r, s + 1, 1]:
                 assert length % align == 0
             pos += length
         assert pos == end, (r, work[r])
+    start = np.clip(indptr[:-1], 0, nnz)
+    length = np.clip(indptr[1:], start, nnz) - start
+    xla = np.asarray(P.work_lists(jnp.asarray(start), jnp.asarray(length), splits, align))
+    np.testing.assert_array_equal(work, xla[..., :4])
 
 
 def test_register_split_fits_the_launch_allocation():
@@ -200,7 +262,7 @@ def _run_gather(fmt, cache, table, *, length, position=0, head=0):
     bases = {
         "$0": mem.add("cache", cache, "global"),
         "$1": mem.add("list", np.asarray(table, "<i4"), "global"),
-        "$6": mem.add("zero", np.zeros(fmt.row_bytes, np.uint8), "global"),
+        "$6": mem.add("zero", P.masked_row(fmt), "global"),
         "$7": mem.add("ring", np.zeros(2 * P.T, "<i4"), "shared"),
         "$3": mem.add("bar", np.zeros(8, np.uint8), "shared"),
     }
@@ -231,7 +293,7 @@ def _check_staged(fmt, cache, slots, head, staged):
     raw, ids, sc = staged
     np.testing.assert_array_equal(ids, slots)
     for j, slot in enumerate(slots):
-        want = cache[slot, head : head + fmt.row_bytes] if slot >= 0 else 0
+        want = cache[slot, head : head + fmt.row_bytes] if slot >= 0 else P.masked_row(fmt)
         np.testing.assert_array_equal(raw[j], want, err_msg=f"row {j}")
         for i, offset in enumerate(fmt.scale_words):
             word = raw[j, offset : offset + 4].view("<u4")[0]

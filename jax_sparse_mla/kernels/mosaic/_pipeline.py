@@ -98,6 +98,10 @@ class RowFormat(NamedTuple):
       holds one slot of ``row_bytes`` per KV head and head block hb reads slot hb.
     page_size: 0 when ``idx`` lists cache rows; else the keys are a paged request's positions
       and ``idx`` holds block tables (``gather_ptx``), pages of ``page_size`` cache rows.
+    heads: 0 when q arrives as operand blocks (``permute_latent``); else q arrives as it is,
+      [G, heads, 576] bf16 (latent then a bf16 rope), and the consumers stage it themselves
+      (``q_rows_ptx``), and with one split the output leaves as [G, heads, 512] bf16 rows
+      (``out_rows_ptx``): no XLA kernel permutes either.
     """
 
     row_bytes: int
@@ -109,6 +113,7 @@ class RowFormat(NamedTuple):
     m: int = 16
     fp4: bool = False
     page_size: int = 0
+    heads: int = 0
 
     @property
     def causal(self) -> bool:
@@ -374,36 +379,222 @@ def gather_ptx(fmt: RowFormat, rows: int, row_stride: int) -> str:
     return text
 
 
+class SplitRule(NamedTuple):
+    """Key lists idx[indptr[i]:indptr[i + 1]] (entries clipped to [0, ``nnz``]) cut into
+    ``splits`` splits at multiples of ``align`` by the kernel itself (``work_ptx``), the rule
+    of ``work_lists``: no XLA kernel makes the work entries."""
+
+    nnz: int
+    splits: int
+    align: int
+
+
+# Thread 0 of the CTA: the work entry of split $4 of list $3 from indptr ($1) into SMEM ($2):
+# ``work_lists``'s (first position in idx, key count, split start in the list, list length).
+_WORK_PTX = """mov.s32 a, 0;
+mov.s32 b, 0;
+mul.wide.u32 ip, $3, 4;
+add.u64 ip, ip, $1;
+@lead ld.global.nc.s32 a, [ip];
+@lead ld.global.nc.s32 b, [ip+4];
+max.s32 start, a, 0;
+min.s32 start, start, NNZ;
+max.s32 b, b, start;
+min.s32 b, b, NNZ;
+sub.s32 len, b, start;
+add.s32 per, len, SPAN_LESS_1;
+div.s32 per, per, SPAN;
+mul.lo.s32 per, per, ALIGN;
+mul.lo.s32 lo, $4, per;
+min.s32 lo, lo, len;
+add.s32 a, lo, per;
+min.s32 a, a, len;
+sub.s32 a, a, lo;
+add.s32 start, start, lo;
+@lead st.shared.s32 [$2], start;
+@lead st.shared.s32 [$2+4], a;
+@lead st.shared.s32 [$2+8], lo;
+@lead st.shared.s32 [$2+12], len;"""
+
+
+def work_ptx(rule: SplitRule) -> str:
+    """``_WORK_PTX`` for ``rule`` (its registers are declared in ``_INIT_PTX``)."""
+    span = rule.align * rule.splits
+    text = _WORK_PTX
+    for name, value in {
+        "SPAN_LESS_1": span - 1,
+        "SPAN": span,
+        "ALIGN": rule.align,
+        "NNZ": rule.nnz,
+    }.items():
+        text = text.replace(name, str(value))
+    return text
+
+
+def q_rows_ptx(fmt: RowFormat, c: int) -> str:
+    """Consumer ``c`` stages its latent chunks of q's rows (consumer 0 also the rope) from
+    global memory into SMEM in the order of ``permute_latent``, swizzled as the kernel's SMEM
+    buffers are. Operands: $0 the group's q rows ([heads, 576] bf16), $1 ``q_lat`` ([8, m, 64]
+    bf16, 128-byte swizzle), $2 ``q_rope`` ([1, m, 64], likewise), $3 the CTA's first row.
+    Rows past ``fmt.heads`` are zeros.
+
+    Lane l takes 8 dims (16 bytes, four uint32 words of dims 2w, 2w + 1) of its rows
+    l // 32 + 4k: dims 256c + 8 (l % 32) of the row, which are words 4 (l % 16) .. + 3 of
+    chunk 2c + (l % 32) // 16; their low halves (the even dims) go to that chunk's even block,
+    their high halves to its odd block (``prmt``), 8 bytes each at column 4 (l % 16). A
+    32-lane warp reads 512 contiguous bytes of one row. The rope: lane l copies 16 bytes,
+    column 8 (l % 8) of row l // 8 + 16k. Swizzle (Mosaic GPU's, that of TMA and wgmma): byte
+    offset o in a buffer becomes o ^ (((o >> 7) % 8) << 4); each block of m rows of 128
+    bytes starts at a multiple of 1024 bytes (m a multiple of 8), so (o >> 7) % 8 is the row's
+    r % 8. Ends with ``fence.proxy.async`` so that wgmma sees the stores."""
+    m = fmt.m
+    lines = [
+        "{",
+        ".reg .pred ok;",
+        ".reg .b32 lane, u, rb, ub, r, row, off, sw, a0, a1, a2, a3, e1, o0, o1;",
+        ".reg .b64 gu, ga, sa;",
+        "mov.u32 lane, %tid.x;",
+        "and.b32 lane, lane, 127;",
+        "and.b32 u, lane, 31;",
+        "shr.u32 rb, lane, 5;",
+        "mul.wide.u32 gu, u, 16;",
+        "add.u64 gu, gu, $0;",
+        "shr.u32 off, u, 4;",  # which of the consumer's two chunks
+        f"mul.lo.s32 off, off, {256 * m};",  # its even block: 2 blocks of m rows of 128 bytes
+        "and.b32 sw, u, 15;",
+        "shl.b32 sw, sw, 3;",  # column 4 (u % 16): 8 bytes
+        "add.u32 ub, off, sw;",
+        f"add.u32 ub, ub, {512 * m * c};",  # blocks 4c ..: the consumer's first chunk
+    ]
+
+    def row_of(first: str, step: int, k: int) -> list[str]:
+        return [
+            f"add.u32 r, {first}, {step * k};",
+            "add.u32 row, r, $3;",
+            f"setp.lt.u32 ok, row, {fmt.heads};",
+            *(f"mov.b32 a{i}, 0;" for i in range(4)),
+            f"mul.wide.u32 ga, row, {2 * (LATENT_DIM + ROPE_DIM)};",
+        ]
+
+    swizzle = [
+        "shr.u32 sw, off, 7;",
+        "and.b32 sw, sw, 7;",
+        "shl.b32 sw, sw, 4;",
+        "xor.b32 off, off, sw;",
+        "cvt.u64.u32 sa, off;",
+    ]
+    for k in range(m // 4):
+        lines += row_of("rb", 4, k)
+        lines += [
+            "add.u64 ga, ga, gu;",
+            f"@ok ld.global.nc.v4.b32 {{a0, a1, a2, a3}}, [ga+{512 * c}];",
+            "prmt.b32 e1, a2, a3, 0x5410;",
+            "prmt.b32 o0, a0, a1, 0x7632;",
+            "prmt.b32 o1, a2, a3, 0x7632;",
+            "prmt.b32 a0, a0, a1, 0x5410;",
+            "shl.b32 off, r, 7;",
+            "add.u32 off, off, ub;",
+            *swizzle,
+            "add.u64 sa, sa, $1;",
+            "st.shared.v2.b32 [sa], {a0, e1};",
+            f"st.shared.v2.b32 [sa+{128 * m}], {{o0, o1}};",
+        ]
+    if c == 0:
+        lines += ["and.b32 u, lane, 7;", "shr.u32 rb, lane, 3;", "shl.b32 u, u, 4;"]
+        lines += ["cvt.u64.u32 gu, u;", "add.u64 gu, gu, $0;"]
+        for k in range(m // 16):
+            lines += row_of("rb", 16, k)
+            lines += [
+                "add.u64 ga, ga, gu;",
+                f"@ok ld.global.nc.v4.b32 {{a0, a1, a2, a3}}, [ga+{2 * LATENT_DIM}];",
+                "shl.b32 off, r, 7;",
+                "add.u32 off, off, u;",
+                *swizzle,
+                "add.u64 sa, sa, $2;",
+                "st.shared.v4.b32 [sa], {a0, a1, a2, a3};",
+            ]
+    return "\n".join([*lines, "fence.proxy.async.shared::cta;", "}"])
+
+
+def out_rows_ptx(fmt: RowFormat, chunk: int) -> str:
+    """One register of the WGMMA layout of latent chunk ``chunk``'s two O^T blocks -> two bf16
+    pairs of the output rows ([heads, 512] bf16, $0): $1 the register's O^T row j (dims
+    128 chunk + 2j, + 1), $2 its first column r (the CTA's rows r and r + 1, offset by $3),
+    $4, $5 the even block's values at (j, r), (j, r + 1), $6, $7 the odd block's. Each row gets
+    one 4-byte store (the even dim in the low half, as in memory), rows past ``fmt.heads``
+    none; rounding is ``astype(bfloat16)``'s (round to nearest even)."""
+    return "\n".join(
+        [
+            "{",
+            ".reg .pred ok;",
+            ".reg .b32 row, off, v;",
+            ".reg .b64 a;",
+            "add.u32 row, $3, $2;",
+            f"mad.lo.s32 off, row, {LATENT_DIM // 2}, $1;",
+            "shl.b32 off, off, 1;",
+            f"add.u32 off, off, {128 * chunk};",
+            "mul.wide.u32 a, off, 2;",
+            "add.u64 a, a, $0;",
+            f"setp.lt.u32 ok, row, {fmt.heads};",
+            "cvt.rn.bf16x2.f32 v, $6, $4;",
+            "@ok st.global.b32 [a], v;",
+            "add.u32 row, row, 1;",
+            f"setp.lt.u32 ok, row, {fmt.heads};",
+            "cvt.rn.bf16x2.f32 v, $7, $5;",
+            f"@ok st.global.b32 [a+{2 * LATENT_DIM}], v;",
+            "}",
+        ]
+    )
+
+
 _INIT_PTX = """{
 .reg .pred lead;
 .reg .b32 tid;
+.reg .s32 a, b, start, len, per, lo;
+.reg .b64 ip;
 mov.u32 tid, %tid.x;
 setp.eq.u32 lead, tid, 0;
 INITS
+WORK
 fence.mbarrier_init.release.cluster;
 bar.sync 0;
 }"""
 
 
-def _init_barriers(bars_ref, count: int):
-    """Thread 0 initializes ``count`` mbarriers (one arrival each); then the whole CTA syncs."""
-    plgpu, mgpu_utils, ir, llvm, _, _ = _mgpu()
+def init_ptx(count: int, rule: SplitRule | None) -> str:
+    """Thread 0 initializes ``count`` mbarriers at $0 and, given ``rule``, writes the CTA's
+    work entry (``work_ptx``); then the CTA syncs."""
+    inits = "\n".join(f"@lead mbarrier.init.shared::cta.b64 [$0+{8 * i}], 1;" for i in range(count))
+    text = _INIT_PTX.replace("INITS", inits)
+    return text.replace("WORK", work_ptx(rule) if rule else "")
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def init(ctx, bars):
+
+def _init_barriers(bars_ref, count: int, work=None):
+    """Thread 0 initializes ``count`` mbarriers (one arrival each) and, given ``work`` =
+    (rule, indptr, work SMEM, list, split), writes the CTA's work entry (``work_ptx``); then
+    the whole CTA syncs."""
+    plgpu, mgpu_utils, ir, llvm, _, _ = _mgpu()
+    ref, splat = plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=())
+    rule, *work_args = work or (None,)
+    arg_types = (ref,) + (ref, ref, splat, splat) * bool(work)
+
+    @plgpu.inline_mgpu(arg_types=arg_types)
+    def init(ctx, bars, *work_args):
         del ctx
-        inits = "\n".join(
-            f"@lead mbarrier.init.shared::cta.b64 [$0+{8 * i}], 1;" for i in range(count)
-        )
+        ptr = mgpu_utils.memref_ptr
+        operands = [ptr(bars)]
+        if work_args:
+            indptr, entry, group, split = work_args
+            operands += [ptr(indptr), ptr(entry), group.registers.item(), split.registers.item()]
         llvm.inline_asm(
             ir.Type.parse("!llvm.void"),
-            [mgpu_utils.memref_ptr(bars)],
-            _INIT_PTX.replace("INITS", inits),
-            "l",
+            operands,
+            init_ptx(count, rule),
+            "l" + ",l,l,r,r" * bool(work_args),
             has_side_effects=True,
         )
 
-    init(bars_ref)
+    init(bars_ref, *work_args)
 
 
 def _gather_tile(fmt: RowFormat, refs, remaining, t, head=None, position=None):
@@ -486,6 +677,56 @@ def _consumers_barrier():
         )
 
     sync()
+
+
+def _stage_q_rows(fmt: RowFormat, c: int, q_rows, q_lat, q_rope, row0):
+    """Consumer ``c`` stages its part of q's rows ``q_rows`` [heads, 576] (GMEM) from row
+    ``row0`` on into ``q_lat`` and ``q_rope`` (SMEM): ``q_rows_ptx``."""
+    plgpu, mgpu_utils, ir, llvm, _, _ = _mgpu()
+    swizzled = plgpu.RefType(transforms=_swizzle_transforms(128))
+    arg_types = (plgpu.RefType(), swizzled, swizzled, plgpu.Layout.WG_SPLAT(shape=()))
+
+    @plgpu.inline_mgpu(arg_types=arg_types)
+    def stage(ctx, q_rows, q_lat, q_rope, row0):
+        del ctx
+        ptr = mgpu_utils.memref_ptr
+        llvm.inline_asm(
+            ir.Type.parse("!llvm.void"),
+            [ptr(q_rows), ptr(q_lat), ptr(q_rope), row0.registers.item()],
+            q_rows_ptx(fmt, c),
+            "l,l,l,r",
+            has_side_effects=True,
+        )
+
+    stage(q_rows, q_lat, q_rope, row0)
+
+
+def _store_out_rows(fmt: RowFormat, chunk: int, even, odd, out_rows, row0):
+    """O^T blocks ``even`` and ``odd`` [DB, m] f32 (WGMMA layout) of latent chunk ``chunk``
+    -> bf16 dims 128 chunk .. + 127 of rows ``row0`` .. of ``out_rows`` [heads, 512] (GMEM):
+    ``out_rows_ptx`` per register, at the (row, column) Mosaic GPU's layout gives it."""
+    plgpu, mgpu_utils, ir, llvm, _, arith = _mgpu()
+    wgmma = plgpu.Layout.WGMMA
+
+    @plgpu.inline_mgpu(arg_types=(wgmma, wgmma, plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=())))
+    def store(ctx, even, odd, out_rows, row0):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        ptx = out_rows_ptx(fmt, chunk)
+        halves = [arith.constant(i32, k) for k in (0, 1)]
+        places = even.layout.thread_idxs(even.shape)  # (row, column) of each register
+        for e, o, place in zip(even.registers.flat, odd.registers.flat, places, strict=True):
+            j, r = (arith.index_cast(i32, x) for x in place)
+            values = [llvm.extractelement(x, k) for x in (e, o) for k in halves]
+            llvm.inline_asm(
+                ir.Type.parse("!llvm.void"),
+                [mgpu_utils.memref_ptr(out_rows), j, r, row0.registers.item(), *values],
+                ptx,
+                "l,r,r,r,f,f,f,f",
+                has_side_effects=True,
+            )
+
+    store(even, odd, out_rows, row0)
 
 
 def _bf16_pairs_by_ptx(ptx: str, words, *extra, word: int | None = None):
@@ -600,7 +841,7 @@ def _fp4_operand(words, scale, n: int):
     return _bf16_pairs_by_ptx(_fp4_ptx(n % 4), words, scale, word=n // 4)
 
 
-def _kernel(*refs, fmt: RowFormat, **smem):
+def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
     """One CTA: rows [hb * m, hb * m + m) of group g, split ``split`` of its keys (m =
     ``fmt.m``).
 
@@ -629,11 +870,12 @@ def _kernel(*refs, fmt: RowFormat, **smem):
     """
     plgpu = _mgpu()[0]
     m = fmt.m
-    cache, idx_ref, zero, q_lat, *refs = refs
-    q_rope = None if fmt.fp4 else refs.pop(0)
-    work_ref, scale_ref, *causal_refs, o_ref, lse_ref = refs
+    cache, idx_ref, zero, q_ref, *refs = refs
+    q_rope = None if fmt.fp4 or fmt.heads else refs.pop(0)
+    lists_ref, scale_ref, *causal_refs, o_ref, lse_ref = refs
     s = smem
-    hbs = q_lat.shape[1]
+    hbs = row_blocks(fmt, fmt.heads) if fmt.heads else q_ref.shape[1]
+    out_rows = len(o_ref.shape) == 3  # bf16 rows [G, heads, 512] (``fmt.heads``, one split)
     g = jax.lax.div(jax.lax.axis_index("gh"), hbs)
     hb = jax.lax.rem(jax.lax.axis_index("gh"), hbs)
     split = jax.lax.axis_index("split")
@@ -653,13 +895,16 @@ def _kernel(*refs, fmt: RowFormat, **smem):
     def by_row(v, n=T):  # [m] per-row values broadcast: [n, m]
         return jax.lax.broadcast_in_dim(v, (n, m), [1])
 
-    _init_barriers(s["rec_bars"], stages)
-    setup = [(q_lat.at[g, hb], s["q_lat"])]
+    _init_barriers(s["rec_bars"], stages, rule and (rule, lists_ref, s["work"], g, split))
+    setup = [] if fmt.heads else [(q_ref.at[g, hb], s["q_lat"])]
     if q_rope is not None:
         setup.append((q_rope.at[g, hb], s["q_rope"]))
-    setup += [(work_ref.at[g, split], s["work"]), (scale_ref, s["scale"])]
+    if rule is None:
+        setup.append((lists_ref.at[g, split], s["work"]))
+    setup.append((scale_ref, s["scale"]))
     if fmt.causal:
         setup += [(causal_refs[0].at[hb], s["rowpos"]), (causal_refs[1], s["iota"])]
+    assert len(setup) == _setup_copies(fmt, rule)
 
     @pl.when(wg == 0)
     def _():
@@ -683,7 +928,7 @@ def _kernel(*refs, fmt: RowFormat, **smem):
                 plgpu.barrier_wait(s["consumed"].at[stage])
 
             if fmt.page_size:  # the request's block-table row (first - lo: its list start)
-                width = idx_ref.shape[0] // q_lat.shape[0]
+                width = idx_ref.shape[0] // q_ref.shape[0]
                 keys, position = idx_ref.at[pl.ds(first - lo, width)], lo + t * T
             else:
                 keys, position = idx_ref.at[pl.ds(first + t * T, T)], None
@@ -703,6 +948,9 @@ def _kernel(*refs, fmt: RowFormat, **smem):
 
     def consume(c: int):
         plgpu.set_max_registers(consumer_registers(), action="increase")
+        if fmt.heads:
+            _stage_q_rows(fmt, c, q_ref.at[g], s["q_lat"], s["q_rope"], hb * m)
+            plgpu.commit_smem()  # q visible to this warpgroup's wgmmas
         score_scale = load(s["scale"].at[pl.ds(0, m)], per_row)
         out_scale = load(s["scale"].at[pl.ds(DB, m)], per_row)
         if fmt.causal:
@@ -854,12 +1102,17 @@ def _kernel(*refs, fmt: RowFormat, **smem):
             l_run = load(s["ml"].at[pl.ds(DB, m)], per_row)
         has = l_run != 0
         inv_l = jnp.where(has, out_scale / jnp.where(has, l_run, 1.0), 0.0)
-        for b, acc in zip(blocks, accs, strict=True):
-            s["s"][c] = acc * by_row(inv_l, DB)  # read for the last time before the barrier above
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(s["s"].at[c], o_ref.at[g, split, hb, pl.ds(DB * b, DB)])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            plgpu.commit_smem()  # (a warpgroup barrier) s[c] is free again for every thread
+        if out_rows:  # each chunk's even and odd blocks, interleaved into bf16 rows
+            for i in range(0, own, 2):
+                even, odd = (accs[k] * by_row(inv_l, DB) for k in (i, i + 1))
+                _store_out_rows(fmt, blocks[i] // 2, even, odd, o_ref.at[g], hb * m)
+        else:
+            for b, acc in zip(blocks, accs, strict=True):
+                s["s"][c] = acc * by_row(inv_l, DB)  # its last read was before the barrier above
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(s["s"].at[c], o_ref.at[g, split, hb, pl.ds(DB * b, DB)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.commit_smem()  # (a warpgroup barrier) s[c] is free again for every thread
         if c == 0:
             s["lse"][pl.ds(0, m)] = jnp.where(
                 has, (m_run + jnp.log2(jnp.where(has, l_run, 1.0))) * (1 / LOG2E), -jnp.inf
@@ -872,7 +1125,22 @@ def _kernel(*refs, fmt: RowFormat, **smem):
         pl.when(wg == c)(functools.partial(consume, c))
 
 
-def _scratch(fmt: RowFormat) -> dict:
+def _swizzle_transforms(swizzle: int) -> tuple:
+    """The SMEM transforms of a bf16 operand buffer with ``swizzle``-byte rows: 8-row tiles,
+    swizzled as TMA and wgmma read them."""
+    plgpu = _mgpu()[0]
+    return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+
+
+def _setup_copies(fmt: RowFormat, rule: SplitRule | None) -> int:
+    """The TMA copies that fill SMEM before the walk: q's operand blocks (unless
+    ``fmt.heads``), the work entry (unless the kernel makes it by ``rule``), the scales, and
+    the causal formats' row positions and iota."""
+    q_blocks = 0 if fmt.heads else 1 + bool(fmt.rope_blocks)
+    return q_blocks + (rule is None) + 1 + 2 * fmt.causal
+
+
+def _scratch(fmt: RowFormat, rule: SplitRule | None) -> dict:
     """The SMEM buffers and barriers of one CTA (``_kernel``'s ``smem``)."""
     plgpu = _mgpu()[0]
     m, stages = fmt.m, stages_for(fmt)
@@ -881,8 +1149,7 @@ def _scratch(fmt: RowFormat) -> dict:
         pv_swizzle = min(pv_swizzle, 2 * FP4_WORDS)
 
     def swizzled(shape, swizzle):
-        transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
-        return plgpu.SMEM(shape, jnp.bfloat16, transforms=transforms)
+        return plgpu.SMEM(shape, jnp.bfloat16, transforms=_swizzle_transforms(swizzle))
 
     def f32(shape):
         """f32 [.., n, m] read and written in the WGMMA layout: rows of 64 bytes (m = 16) are
@@ -892,7 +1159,6 @@ def _scratch(fmt: RowFormat) -> dict:
         transforms = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
         return plgpu.SMEM(shape, jnp.float32, transforms=transforms)
 
-    setup_copies = 3 + bool(fmt.rope_blocks) + 2 * fmt.causal
     word = 4 if fmt.fp4 else 2  # the rows are read as uint32 (``_fp4_scores``) or uint16 words
     if fmt.fp4:  # the q pieces' K=16 operands (``fp4_q``)
         q_lat = swizzled((FP4_SLICES, Q_PIECES * m, FP4_WORDS), 2 * FP4_WORDS)
@@ -911,7 +1177,7 @@ def _scratch(fmt: RowFormat) -> dict:
         "scale": plgpu.SMEM((2 * DB,), jnp.float32),
         "ring": plgpu.SMEM((2, T), jnp.int32),  # the producer's index ring (tile t + 1)
         "rec_bars": plgpu.SMEM((stages,), jnp.int64),  # the row mbarriers (inline PTX)
-        "setup": plgpu.Barrier(num_arrivals=setup_copies),
+        "setup": plgpu.Barrier(num_arrivals=_setup_copies(fmt, rule)),
         "consumed": plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
     }
     if fmt.rope_blocks:
@@ -924,13 +1190,6 @@ def _scratch(fmt: RowFormat) -> dict:
         scratch["rowpos"] = plgpu.SMEM((64,), jnp.int32)
         scratch["iota"] = plgpu.SMEM((64,), jnp.int32)
     return scratch
-
-
-def work(indptr, nnz: int, num_splits: int, align: int):
-    """[G, S, WORK] int32 (``work_lists``) of the lists idx[indptr[i]:indptr[i + 1]]; indptr
-    entries are clipped to [0, nnz]."""
-    start = jnp.clip(indptr[:-1], 0, nnz)
-    return work_lists(start, jnp.clip(indptr[1:], start, nnz) - start, num_splits, align)
 
 
 def work_lists(start, length, num_splits: int, align: int):
@@ -954,43 +1213,60 @@ def choose_splits(ctas: int, avg_tiles: float) -> int:
     return int(max(1, min(want, avg_tiles // MIN_SPLIT_TILES)))
 
 
+def masked_row(fmt: RowFormat) -> np.ndarray:
+    """[row_bytes] uint8, the row the producer copies for a masked key: zeros but its last
+    byte, 1. All zeros, XLA would make it a broadcast kernel on every call; this stays a
+    constant. That byte is a finite value in every format (a rope bit, an fp8 code, an E2M1
+    code or scale byte), and a masked key's P is exactly 0, so its V adds nothing."""
+    row = np.zeros(fmt.row_bytes, np.uint8)
+    row[-1] = 1
+    return row
+
+
 def attention(
-    fmt: RowFormat, cache, idx, work_entries, q_lat, q_rope, score_scale, out_scale, positions=None
+    fmt: RowFormat, cache, idx, lists, q_lat, q_rope, score_scale, out_scale, positions=None
 ):
     """Runs the kernel: ``cache`` [N, row_bytes] uint8 (``fmt.fp4``: [N, HB * row_bytes]),
-    ``idx`` [nnz] int32, ``work_entries`` [G, S, WORK] (``work``), ``q_lat`` [G, HB,
+    ``idx`` [nnz] int32, ``lists`` the key lists: work entries [G, S, WORK] (``work_lists``)
+    or (indptr [G + 1] int32, ``SplitRule``) for the kernel to split; ``q_lat`` [G, HB,
     LATENT_BLOCKS, m, DB] and ``q_rope`` [G, HB, rope_blocks, m, 64 / rope_blocks] bf16
-    (``fmt.fp4``: ``q_lat`` [G, HB, FP4_SLICES, Q_PIECES * m, FP4_WORDS] from ``fp4_q``,
-    ``q_rope`` None), scalar scales (the score scale in natural units); causal formats:
-    ``positions`` [HB * m] int32, each row's query position in [0, qlen).
+    (``fmt.heads``: ``q_lat`` is q itself, [G, heads, 576] bf16, ``q_rope`` None; ``fmt.fp4``:
+    ``q_lat`` [G, HB, FP4_SLICES, Q_PIECES * m, FP4_WORDS] from ``fp4_q``, ``q_rope`` None),
+    scalar scales (the score scale in natural units); causal formats: ``positions`` [HB * m]
+    int32, each row's query position in [0, qlen).
 
     Returns o [G, S, HB * m, fmt.dims] f32 (natural dim order, each split normalized by its own
-    sum and times ``out_scale``) and lse [G, S, HB * m] f32 (natural log; -inf without keys).
+    sum and times ``out_scale``; with ``fmt.heads`` and one split: [G, 1, heads, 512] bf16) and
+    lse [G, S, HB * m] f32 (natural log; -inf without keys).
     """
     plgpu = _mgpu()[0]
     m = fmt.m
     if cache.shape[0] >= MAX_ROWS:
         raise NotImplementedError("the Mosaic GPU kernels read int32 record indices")
-    g, splits, hbs = q_lat.shape[0], work_entries.shape[1], q_lat.shape[1]
-    scale = jnp.concatenate(
-        [
-            jnp.full((DB,), jnp.asarray(score_scale, jnp.float32) * LOG2E, jnp.float32),
-            jnp.full((DB,), jnp.asarray(out_scale, jnp.float32), jnp.float32),
-        ]
-    )
-    inputs = [cache, idx, jnp.zeros((fmt.row_bytes,), jnp.uint8), q_lat]
+    rule = None
+    if isinstance(lists, tuple):
+        lists, rule = lists
+    g = q_lat.shape[0]
+    hbs = row_blocks(fmt, fmt.heads) if fmt.heads else q_lat.shape[1]
+    splits = rule.splits if rule else lists.shape[1]
+    static = all(isinstance(x, (float, np.floating)) for x in (score_scale, out_scale))
+    xp = np if static else jnp  # static scales make an XLA constant, not a kernel
+    scales = [xp.float32(score_scale) * xp.float32(LOG2E), xp.float32(out_scale)]
+    scale = xp.repeat(xp.stack(scales), DB)
+    inputs = [cache, idx, masked_row(fmt), q_lat]
     inputs += [] if q_rope is None else [q_rope]
-    inputs += [work_entries, scale]
+    inputs += [lists, scale]
     if fmt.causal:
         rowpos = jnp.pad(positions.reshape(hbs, m), ((0, 0), (0, 64 - m)))
         inputs += [rowpos.astype(jnp.int32), jnp.arange(64, dtype=jnp.int32)]
+    if fmt.heads and splits == 1:
+        o_type = jax.ShapeDtypeStruct((g, fmt.heads, LATENT_DIM), jnp.bfloat16)
+    else:
+        o_type = jax.ShapeDtypeStruct((g, splits, hbs, fmt.dims, m), jnp.float32)
     o_t, lse2 = plgpu.kernel(
-        functools.partial(_kernel, fmt=fmt),
-        out_type=(
-            jax.ShapeDtypeStruct((g, splits, hbs, fmt.dims, m), jnp.float32),
-            jax.ShapeDtypeStruct((g, splits, hbs, m), jnp.float32),
-        ),
-        scratch_types=_scratch(fmt),
+        functools.partial(_kernel, fmt=fmt, rule=rule),
+        out_type=(o_type, jax.ShapeDtypeStruct((g, splits, hbs, m), jnp.float32)),
+        scratch_types=_scratch(fmt, rule),
         grid=(g * hbs, splits),  # a group's row blocks side by side: their gathers share L2
         grid_names=("gh", "split"),
         num_threads=CONSUMERS + 1,
@@ -1001,9 +1277,11 @@ def attention(
             unsafe_no_auto_barriers=True,  # the kernel places its own (see _kernel)
         ),
     )(*inputs)
+    lse = lse2.reshape(g, splits, hbs * m)
+    if o_t.dtype == jnp.bfloat16:
+        return o_t[:, None], lse
     o = o_t.swapaxes(-1, -2).reshape(g, splits, hbs * m, fmt.dims)
-    o = unpermute_fp4(o) if fmt.fp4 else unpermute_out(o)
-    return o, lse2.reshape(g, splits, hbs * m)
+    return unpermute_fp4(o) if fmt.fp4 else unpermute_out(o), lse
 
 
 def merge_splits(o, lse):
@@ -1017,24 +1295,46 @@ def merge_splits(o, lse):
     return o.astype(jnp.bfloat16), lse
 
 
+def as_f32(x):
+    """A scale as float32: a numpy scalar where ``x`` is a number (it stays static through
+    ``per_element_vmap``), else a 0-d jax array."""
+    if isinstance(x, (int, float, np.number)):
+        return np.float32(x)
+    return jnp.asarray(x, jnp.float32)
+
+
 def per_element_vmap(fn):
-    """``fn(*arrays)`` under ``jax.vmap`` as one call per batch element (``lax.map``): the
-    kernel has no batched grid."""
-    wrapped = jax.custom_batching.custom_vmap(fn)
+    """``fn(*args)`` under ``jax.vmap`` as one call per batch element (``lax.map``): the
+    kernel has no batched grid. Python and numpy scalars among ``args`` stay static (closed
+    over, never traced), so that the kernel's scales made of them are XLA constants."""
 
-    @wrapped.def_vmap
-    def _vmap(axis_size, in_batched, *args):
-        del axis_size
-        batched = [a for a, b in zip(args, in_batched, strict=True) if b]
+    @functools.wraps(fn)
+    def call(*args):
+        static = [isinstance(a, (float, np.floating)) for a in args]
 
-        def one(xs):
-            it = iter(xs)
-            return fn(*(next(it) if b else a for a, b in zip(args, in_batched, strict=True)))
+        def traced_fn(*traced):
+            it = iter(traced)
+            return fn(*(a if s else next(it) for a, s in zip(args, static, strict=True)))
 
-        out = jax.lax.map(one, batched)
-        return out, jax.tree.map(lambda _: True, out)
+        wrapped = jax.custom_batching.custom_vmap(traced_fn)
 
-    return wrapped
+        @wrapped.def_vmap
+        def _vmap(axis_size, in_batched, *traced):
+            del axis_size
+            batched = [a for a, b in zip(traced, in_batched, strict=True) if b]
+
+            def one(xs):
+                it = iter(xs)
+                return traced_fn(
+                    *(next(it) if b else a for a, b in zip(traced, in_batched, strict=True))
+                )
+
+            out = jax.lax.map(one, batched)
+            return out, jax.tree.map(lambda _: True, out)
+
+        return wrapped(*(a for a, s in zip(args, static, strict=True) if not s))
+
+    return call
 
 
 def needs_cuda(*_):

@@ -23,7 +23,9 @@ from jax_sparse_mla._platform import by_platform
 from jax_sparse_mla.formats import KV_DIM, LATENT_DIM, ROPE_DIM
 from jax_sparse_mla.kernels.mosaic._pipeline import (
     RowFormat,
+    SplitRule,
     T,
+    as_f32,
     attention,
     choose_splits,
     fail_off_cuda,
@@ -32,7 +34,6 @@ from jax_sparse_mla.kernels.mosaic._pipeline import (
     permute_latent,
     row_blocks,
     rows_per_cta,
-    work,
 )
 from jax_sparse_mla.reference.mla_decode import SPLIT_ALIGN
 
@@ -71,13 +72,13 @@ def _partials(q, codes, kv_indices, kv_indptr, k_scale, v_scale, sm_scale, *, ql
     b = kv_indptr.shape[0] - 1
     fmt = row_format(qlen, h)
     hbs = row_blocks(fmt, h)
-    entries = work(kv_indptr, kv_indices.shape[0], splits, align)
+    lists = (kv_indptr, SplitRule(kv_indices.shape[0], splits, align))
     positions = jnp.arange(hbs * fmt.m, dtype=jnp.int32) // h
     o, lse = attention(
         fmt,
         codes,
         kv_indices,
-        entries,
+        lists,
         *permute_q(q, b, qlen, hbs, fmt.m),
         sm_scale * k_scale,
         v_scale,
@@ -91,7 +92,7 @@ def _partials(q, codes, kv_indices, kv_indptr, k_scale, v_scale, sm_scale, *, ql
 def _run(q, codes, kv_indices, kv_indptr, *, k_scale, v_scale, sm_scale, **static):
     """``_partials`` with one kernel call per batch element under ``jax.vmap``."""
     fn = per_element_vmap(functools.partial(_partials, **static))
-    scales = (jnp.asarray(x, jnp.float32) for x in (k_scale, v_scale, sm_scale))
+    scales = (as_f32(x) for x in (k_scale, v_scale, sm_scale))
     return fn(q, codes, kv_indices, kv_indptr, *scales)
 
 

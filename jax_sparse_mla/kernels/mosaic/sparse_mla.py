@@ -9,36 +9,38 @@ in L2), and one split of the row's key list. Heads are wgmma's N dimension, so 1
 heads: at 128 heads, 32 rows per CTA (two record stages) took 470.4 against 634.8 us at n_q=128
 and 3618.1 against 4815.3 at n_q=1024 on the H200 (``bench.py``, two runs of 2026-12-02). The
 rope is 64 bf16 values: one operand block.
+
+The kernel takes q, indptr and (with one split) returns the output as they are: its consumers
+stage q's rows into operand blocks themselves, thread 0 cuts the CTA's key list out of indptr,
+and the output rows are written as bf16 from the accumulators, so that a call is the kernel
+alone (the lse's slice aside where H is no multiple of the CTA's rows).
 """
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from jax_sparse_mla._platform import by_platform
-from jax_sparse_mla.formats import LATENT_DIM, RECORD_BYTES, ROPE_OFFSET, SCALES_OFFSET
+from jax_sparse_mla.formats import RECORD_BYTES, ROPE_OFFSET, SCALES_OFFSET
 from jax_sparse_mla.kernels.mosaic._pipeline import (
     CHUNKS,
-    DB,
     RowFormat,
+    SplitRule,
     T,
     attention,
     choose_splits,
     fail_off_cuda,
     merge_splits,
     per_element_vmap,
-    permute_latent,
     row_blocks,
     rows_per_cta,
-    work,
 )
 from jax_sparse_mla.reference.sparse_mla import no_keys
 
 
 def row_format(heads: int) -> RowFormat:
     """The records' RowFormat for ``heads`` query heads: 16 rows per CTA up to 16 heads, else
-    32."""
+    32; q arrives as it is (``RowFormat.heads``)."""
     return RowFormat(
         row_bytes=RECORD_BYTES,
         pitch=RECORD_BYTES,  # 164 words: 4 mod 8, bank-conflict free as it is
@@ -46,15 +48,8 @@ def row_format(heads: int) -> RowFormat:
         rope_word=ROPE_OFFSET // 2,
         rope_fp8=False,
         m=rows_per_cta(heads),
+        heads=heads,
     )
-
-
-def permute_q(q, hbs: int, m: int):
-    """[n_q, H, 576] -> latent blocks [n_q, hbs, 8, m, DB] (``permute_latent``) and the rope
-    [n_q, hbs, 1, m, 64]; heads padded with zeros to hbs * m."""
-    n_q, h, _ = q.shape
-    rope = jnp.pad(q[..., LATENT_DIM:], ((0, 0), (0, m * hbs - h), (0, 0)))
-    return permute_latent(q[..., :LATENT_DIM], hbs, m), rope.reshape(n_q, hbs, 1, m, DB)
 
 
 @per_element_vmap
@@ -74,10 +69,9 @@ def sparse_mla_mosaic(q, kv, idx, indptr, sm_scale):
     if n_q == 0 or h == 0 or nnz == 0 or records.shape[0] == 0:
         return no_keys(n_q, h)
     fmt = row_format(h)
-    hbs = row_blocks(fmt, h)
-    splits = choose_splits(n_q * hbs, nnz / T / n_q)
-    entries = work(indptr, nnz, splits, T)
-    o, lse = attention(fmt, records, idx, entries, *permute_q(q, hbs, fmt.m), sm_scale, 1.0)
+    splits = choose_splits(n_q * row_blocks(fmt, h), nnz / T / n_q)
+    lists = (indptr, SplitRule(nnz, splits, T))
+    o, lse = attention(fmt, records, idx, lists, q, None, sm_scale, 1.0)
     return merge_splits(o[:, :, :h], lse[:, :, :h])
 
 

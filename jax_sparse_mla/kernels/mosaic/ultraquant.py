@@ -35,6 +35,7 @@ from jax_sparse_mla.kernels.fp4_operands import FP4_BIAS, Q_PIECES, bf16_pieces
 from jax_sparse_mla.kernels.mosaic._pipeline import (
     RowFormat,
     T,
+    as_f32,
     attention,
     choose_splits,
     fail_off_cuda,
@@ -123,7 +124,7 @@ def ultraquant_decode_mosaic(q, cache, block_tables, seq_lens, *, sm_scale, num_
         tiles = block_tables.shape[-1] * cache.shape[1] / T
         splits = choose_splits(q.shape[-3] * cache.shape[2], tiles)
     fn = per_element_vmap(functools.partial(_decode, splits=splits))
-    return fn(q, cache, block_tables, seq_lens, jnp.asarray(sm_scale, jnp.float32))
+    return fn(q, cache, block_tables, seq_lens, as_f32(sm_scale))
 
 
 def mosaic_or(fallback):
