@@ -51,41 +51,44 @@ def test_32_rows_per_cta_past_16():
     assert [K.row_format(h).m for h in (1, 16, 17, 32, 128)] == [16, 16, 32, 32, 32]
 
 
-def _latent_columns(lat_blocks):
-    """[G, hbs, 8, m, 64] -> [G, hbs * m, 8, 64]: each row's blocks."""
-    g, hbs, _, m, _ = lat_blocks.shape
-    return lat_blocks.transpose(0, 1, 3, 2, 4).reshape(g, hbs * m, P.LATENT_BLOCKS, P.DB)
+def test_a_groups_rows_take_the_fewest_ctas():
+    """CTAs per query row or decode request: its rows (heads, or qlen x heads) in blocks of
+    16 or 32; a block of padding rows alone would walk every key for nothing (it once doubled
+    the causal decode's time on the H200)."""
+    assert [K.row_format(h).blocks for h in (1, 16, 20, 32, 40, 128)] == [1, 1, 1, 1, 2, 4]
+    shapes = [(1, 12), (2, 12), (2, 16), (4, 16), (3, 7)]
+    assert [D.row_format(qlen, h).blocks for qlen, h in shapes] == [1, 1, 1, 2, 1]
 
 
-def _check_latent(blocks, rows):
-    """Block 2c + p, column j of a row holds latent dim 128c + 2j + p; padding rows are 0."""
-    r = rows.shape[1]
-    for c in range(P.CHUNKS):
-        for p in range(2):
-            np.testing.assert_array_equal(
-                blocks[:, :r, 2 * c + p], rows[:, :, 128 * c + p : 128 * c + 128 : 2]
-            )
-    assert not blocks[:, r:].any()
-
-
-def _unswizzle(buf: np.ndarray, rows: int) -> np.ndarray:
-    """SMEM bytes of bf16 blocks of ``rows`` rows of 128 bytes, 128-byte swizzled (byte offset
-    o holds logical offset o ^ (((o >> 7) % 8) << 4), TMA's and wgmma's swizzle) -> [blocks,
-    rows, 64] uint16 in logical order."""
+def _unswizzle(buf: np.ndarray, rows: int, row_bytes: int = 128) -> np.ndarray:
+    """SMEM bytes of bf16 blocks of ``rows`` rows of ``row_bytes`` bytes, swizzled as TMA and
+    wgmma read them (byte offset o holds logical offset o ^ (((o >> 7) % (row_bytes / 16)) <<
+    4)) -> [blocks, rows, row_bytes / 2] uint16 in logical order."""
     offsets = np.arange(buf.size)
     logical = np.empty_like(buf)
-    logical[offsets ^ (((offsets >> 7) % 8) << 4)] = buf
-    return logical.view("<u2").reshape(-1, rows, P.DB)
+    logical[offsets ^ (((offsets >> 7) % (row_bytes // 16)) << 4)] = buf
+    return logical.view("<u2").reshape(-1, rows, row_bytes // 2)
 
 
-@pytest.mark.parametrize("heads,row0", [(16, 0), (128, 96), (20, 0), (40, 32)])
-def test_q_rows_ptx_stages_the_operand_blocks_of_the_ctas_rows(heads, row0):
-    """Both consumers' q staging (``q_rows_ptx``) run lane by lane: with the 128-byte swizzle
-    undone, block 2c + p, column j of row r holds dim 128c + 2j + p of q row row0 + r and the
-    rope block its 64 dims, rows past ``heads`` zeros; every byte is written, and only the
-    group's q rows are read."""
-    fmt = K.row_format(heads)
-    m = fmt.m
+@pytest.mark.parametrize(
+    "fmt,row0",
+    [
+        (K.row_format(16), 0),
+        (K.row_format(128), 96),
+        (K.row_format(20), 0),
+        (K.row_format(40), 32),
+        (D.row_format(1, 12), 0),
+        (D.row_format(2, 12), 0),
+        (D.row_format(4, 16), 32),
+    ],
+)
+def test_q_rows_ptx_stages_the_operand_blocks_of_the_ctas_rows(fmt, row0):
+    """Both consumers' q staging (``q_rows_ptx``) run lane by lane: with the swizzle undone,
+    block 2c + p, column j of row r holds dim 128c + 2j + p of q row row0 + r; the rope block
+    holds its 64 dims (bf16 rope: ``sparse_mla``), or block p column j rope dim 2j + p (fp8
+    rope: ``mla_decode``); rows past ``fmt.heads`` are zeros; every byte is written, and only
+    the group's q rows are read."""
+    m, heads = fmt.m, fmt.heads
     rng = np.random.default_rng(heads)
     q = rng.integers(0, 2**16, (heads, 576), np.uint16)
     mem = ptx_sim.Memory()
@@ -98,8 +101,14 @@ def test_q_rows_ptx_stages_the_operand_blocks_of_the_ctas_rows(heads, row0):
     mine = q[row0 : row0 + m]
     rows[: len(mine)] = mine
     lat = _unswizzle(mem.array("lat", np.uint8), m)
-    _check_latent(lat.transpose(1, 0, 2)[None], rows[None])
-    np.testing.assert_array_equal(_unswizzle(mem.array("rope", np.uint8), m)[0], rows[:, 512:])
+    for c, p in itertools.product(range(P.CHUNKS), range(2)):
+        np.testing.assert_array_equal(lat[2 * c + p], rows[:, 128 * c + p : 128 * c + 128 : 2])
+    rope = _unswizzle(mem.array("rope", np.uint8), m, P.rope_swizzle(fmt))
+    if fmt.rope_fp8:
+        for p in range(2):
+            np.testing.assert_array_equal(rope[p], rows[:, 512 + p :: 2])
+    else:
+        np.testing.assert_array_equal(rope[0], rows[:, 512:])
 
 
 def test_out_rows_ptx_interleaves_each_chunks_even_and_odd_dims_into_bf16_rows():
@@ -125,24 +134,6 @@ def test_out_rows_ptx_interleaves_each_chunks_even_and_odd_dims_into_bf16_rows()
     untouched = np.ones_like(got, bool)
     untouched[row0:, 128 * chunk : 128 * chunk + 128] = False
     assert not got[untouched].any()
-
-
-@pytest.mark.parametrize("hbs,m", [(2, 16), (1, 32)])
-def test_decode_permute_q_rows_are_position_major_and_the_rope_is_two_parity_blocks(hbs, m):
-    """Rows r = i * H + h of a request; rope block p, column j holds rope dim 2j + p (the
-    bytes of the rope's uint16 word j)."""
-    rng = np.random.default_rng(1)
-    b, qlen, h = 2, 3, 7
-    q = rng.normal(size=(b * qlen, h, 576)).astype(np.float32)
-    lat, rope = (np.asarray(x) for x in D.permute_q(jnp.asarray(q), b, qlen, hbs, m))
-    assert lat.shape == (b, hbs, P.LATENT_BLOCKS, m, P.DB)
-    assert rope.shape == (b, hbs, 2, m, 32)
-    rows = q.reshape(b, qlen * h, 576)
-    _check_latent(_latent_columns(lat), rows)
-    rope = rope.transpose(0, 1, 3, 2, 4).reshape(b, 32, 2, 32)
-    for p in range(2):
-        np.testing.assert_array_equal(rope[:, : qlen * h, p], rows[:, :, 512 + p :: 2])
-    assert not rope[:, qlen * h :].any()
 
 
 def test_unpermute_out_inverts_the_block_order():

@@ -33,9 +33,11 @@ V, so every product is exact and accumulation is f32.
 
 Layout: a row's latent codes are read as uint16 words; word w holds latent dims 2w (low byte)
 and 2w + 1 (high byte), so a 64-word column block of chunk c gives the 64 even and the 64 odd
-dims of that chunk. q's latent dims are permuted to that order (8 operand blocks of 64 dims,
-(chunk, parity)) and the output permuted back. The cache and the index list reach the kernel
-as they are: no view, pad, gather or copy of either.
+dims of that chunk. The consumers stage q's rows in that order themselves (8 operand blocks of
+64 dims, (chunk, parity): ``q_rows_ptx``) and write the finished output back in natural order
+as bf16 (``out_rows_ptx``; split partials leave as O^T in f32 and ``unpermute_out`` orders
+them). The cache, the index list, indptr and q reach the kernel as they are: no view, pad,
+gather or copy of any.
 """
 
 from __future__ import annotations
@@ -98,10 +100,11 @@ class RowFormat(NamedTuple):
       holds one slot of ``row_bytes`` per KV head and head block hb reads slot hb.
     page_size: 0 when ``idx`` lists cache rows; else the keys are a paged request's positions
       and ``idx`` holds block tables (``gather_ptx``), pages of ``page_size`` cache rows.
-    heads: 0 when q arrives as operand blocks (``permute_latent``); else q arrives as it is,
-      [G, heads, 576] bf16 (latent then a bf16 rope), and the consumers stage it themselves
-      (``q_rows_ptx``), and with one split the output leaves as [G, heads, 512] bf16 rows
-      (``out_rows_ptx``): no XLA kernel permutes either.
+    heads: the latent formats' rows per group (a ``sparse_mla`` row's heads, a decode
+      request's qlen * heads): q arrives as it is, [G, heads, 576] bf16, and the consumers
+      stage it themselves (``q_rows_ptx``); with one split the finished output leaves as
+      [G, heads, 512] bf16 rows (``out_rows_ptx``): no XLA kernel permutes either. 0 for
+      UltraQuant (q as ``fp4_q``'s operands).
     """
 
     row_bytes: int
@@ -123,6 +126,11 @@ class RowFormat(NamedTuple):
     def chunk_scales(self) -> bool:
         """Per-chunk scales that multiply partial scores and P (fp8_ds_mla)."""
         return bool(self.scale_words) and not self.fp4
+
+    @property
+    def blocks(self) -> int:
+        """CTAs per group (and split) of a latent format: its ``heads`` rows in blocks of m."""
+        return -(-self.heads // self.m)
 
     @property
     def rope_blocks(self) -> int:
@@ -210,21 +218,6 @@ def stages_for(fmt: RowFormat) -> int:
     )
     per_row = fmt.pitch + 4 + 4 * len(fmt.scale_words)
     return max(1, min(MAX_STAGES, (SMEM_BYTES - fixed) // (T * per_row)))
-
-
-def row_blocks(fmt: RowFormat, heads: int) -> int:
-    """CTAs per query row or decode request (and split): its qlen * heads rows in blocks of
-    ``fmt.m``."""
-    return -(-(fmt.qlen * heads) // fmt.m)
-
-
-def permute_latent(rows, hbs: int, m: int):
-    """[G, R, 512] -> [G, hbs, LATENT_BLOCKS, m, DB]: rows padded to hbs * m; block 2c + p
-    holds dims 128c + 2j + p (the order of a row's uint16 words)."""
-    g, r, _ = rows.shape
-    rows = jnp.pad(rows, ((0, 0), (0, m * hbs - r), (0, 0)))
-    lat = rows.reshape(g, hbs, m, CHUNKS, DB, 2).transpose(0, 1, 3, 5, 2, 4)
-    return lat.reshape(g, hbs, LATENT_BLOCKS, m, DB)
 
 
 def unpermute_out(o):
@@ -431,22 +424,31 @@ def work_ptx(rule: SplitRule) -> str:
     return text
 
 
+def rope_swizzle(fmt: RowFormat) -> int:
+    """The swizzle (bytes per row) of the rope's operand blocks: one row of 64 bf16 (bf16 rope),
+    or of 32 (fp8 rope: two parity blocks)."""
+    return 2 * ROPE_DIM // fmt.rope_blocks
+
+
 def q_rows_ptx(fmt: RowFormat, c: int) -> str:
     """Consumer ``c`` stages its latent chunks of q's rows (consumer 0 also the rope) from
-    global memory into SMEM in the order of ``permute_latent``, swizzled as the kernel's SMEM
-    buffers are. Operands: $0 the group's q rows ([heads, 576] bf16), $1 ``q_lat`` ([8, m, 64]
-    bf16, 128-byte swizzle), $2 ``q_rope`` ([1, m, 64], likewise), $3 the CTA's first row.
-    Rows past ``fmt.heads`` are zeros.
+    global memory into SMEM operand blocks (block 2c + p, column j: latent dim 128c + 2j + p,
+    the order of a cache row's uint16 words), swizzled as the kernel's SMEM buffers are.
+    Operands: $0 the group's q rows ([heads, 576] bf16), $1 ``q_lat`` ([8, m, 64] bf16,
+    128-byte swizzle), $2 ``q_rope`` ([1, m, 64], likewise; fp8 rope: [2, m, 32], 64-byte
+    swizzle, block p column j holding rope dim 2j + p), $3 the CTA's first row. Rows past
+    ``fmt.heads`` are zeros.
 
     Lane l takes 8 dims (16 bytes, four uint32 words of dims 2w, 2w + 1) of its rows
     l // 32 + 4k: dims 256c + 8 (l % 32) of the row, which are words 4 (l % 16) .. + 3 of
     chunk 2c + (l % 32) // 16; their low halves (the even dims) go to that chunk's even block,
     their high halves to its odd block (``prmt``), 8 bytes each at column 4 (l % 16). A
-    32-lane warp reads 512 contiguous bytes of one row. The rope: lane l copies 16 bytes,
-    column 8 (l % 8) of row l // 8 + 16k. Swizzle (Mosaic GPU's, that of TMA and wgmma): byte
-    offset o in a buffer becomes o ^ (((o >> 7) % 8) << 4); each block of m rows of 128
-    bytes starts at a multiple of 1024 bytes (m a multiple of 8), so (o >> 7) % 8 is the row's
-    r % 8. Ends with ``fence.proxy.async`` so that wgmma sees the stores."""
+    32-lane warp reads 512 contiguous bytes of one row. The rope: lane l takes 16 bytes of row
+    l // 8 + 16k, at column 8 (l % 8) (bf16 rope), or split into the parity blocks at column
+    4 (l % 8) (fp8 rope). Swizzle (Mosaic GPU's, that of TMA and wgmma): byte offset o in a
+    buffer of S-byte rows becomes o ^ (((o >> 7) % (S / 16)) << 4); each block starts at a
+    multiple of 1024 bytes (S = 128) or 512 (S = 64), m being a multiple of 8, so only the
+    row moves the swizzle. Ends with ``fence.proxy.async`` so that wgmma sees the stores."""
     m = fmt.m
     lines = [
         "{",
@@ -467,52 +469,57 @@ def q_rows_ptx(fmt: RowFormat, c: int) -> str:
         f"add.u32 ub, ub, {512 * m * c};",  # blocks 4c ..: the consumer's first chunk
     ]
 
-    def row_of(first: str, step: int, k: int) -> list[str]:
+    def row_of(step: int, k: int, offset: int) -> list[str]:
+        """Row rb + step * k: its 16 bytes at ``offset`` (+ gu) in a0..a3, zeros past heads."""
         return [
-            f"add.u32 r, {first}, {step * k};",
+            f"add.u32 r, rb, {step * k};",
             "add.u32 row, r, $3;",
             f"setp.lt.u32 ok, row, {fmt.heads};",
             *(f"mov.b32 a{i}, 0;" for i in range(4)),
             f"mul.wide.u32 ga, row, {2 * (LATENT_DIM + ROPE_DIM)};",
+            "add.u64 ga, ga, gu;",
+            f"@ok ld.global.nc.v4.b32 {{a0, a1, a2, a3}}, [ga+{offset}];",
         ]
 
-    swizzle = [
-        "shr.u32 sw, off, 7;",
-        "and.b32 sw, sw, 7;",
-        "shl.b32 sw, sw, 4;",
-        "xor.b32 off, off, sw;",
-        "cvt.u64.u32 sa, off;",
-    ]
-    for k in range(m // 4):
-        lines += row_of("rb", 4, k)
-        lines += [
-            "add.u64 ga, ga, gu;",
-            f"@ok ld.global.nc.v4.b32 {{a0, a1, a2, a3}}, [ga+{512 * c}];",
+    def split_to(buffer: str, row_bytes: int, column: str, odd_block: int) -> list[str]:
+        """a0..a3's even halves to row r, byte ``column`` of ``buffer``, their odd halves
+        ``odd_block`` bytes further."""
+        return [
             "prmt.b32 e1, a2, a3, 0x5410;",
             "prmt.b32 o0, a0, a1, 0x7632;",
             "prmt.b32 o1, a2, a3, 0x7632;",
             "prmt.b32 a0, a0, a1, 0x5410;",
-            "shl.b32 off, r, 7;",
-            "add.u32 off, off, ub;",
-            *swizzle,
-            "add.u64 sa, sa, $1;",
+            *at_row(buffer, row_bytes, column),
             "st.shared.v2.b32 [sa], {a0, e1};",
-            f"st.shared.v2.b32 [sa+{128 * m}], {{o0, o1}};",
+            f"st.shared.v2.b32 [sa+{odd_block}], {{o0, o1}};",
         ]
+
+    def at_row(buffer: str, row_bytes: int, column: str) -> list[str]:
+        """sa = ``buffer`` + the swizzled offset of row r, byte ``column``."""
+        return [
+            f"mul.lo.s32 off, r, {row_bytes};",
+            f"add.u32 off, off, {column};",
+            "shr.u32 sw, off, 7;",
+            f"and.b32 sw, sw, {row_bytes // 16 - 1};",
+            "shl.b32 sw, sw, 4;",
+            "xor.b32 off, off, sw;",
+            "cvt.u64.u32 sa, off;",
+            f"add.u64 sa, sa, {buffer};",
+        ]
+
+    for k in range(m // 4):
+        lines += row_of(4, k, 512 * c) + split_to("$1", 128, "ub", 128 * m)
     if c == 0:
         lines += ["and.b32 u, lane, 7;", "shr.u32 rb, lane, 3;", "shl.b32 u, u, 4;"]
         lines += ["cvt.u64.u32 gu, u;", "add.u64 gu, gu, $0;"]
+        if fmt.rope_fp8:
+            lines.append("shr.u32 u, u, 1;")  # column 4 (l % 8) of a 32-dim block: 8 bytes
         for k in range(m // 16):
-            lines += row_of("rb", 16, k)
-            lines += [
-                "add.u64 ga, ga, gu;",
-                f"@ok ld.global.nc.v4.b32 {{a0, a1, a2, a3}}, [ga+{2 * LATENT_DIM}];",
-                "shl.b32 off, r, 7;",
-                "add.u32 off, off, u;",
-                *swizzle,
-                "add.u64 sa, sa, $2;",
-                "st.shared.v4.b32 [sa], {a0, a1, a2, a3};",
-            ]
+            lines += row_of(16, k, 2 * LATENT_DIM)
+            if fmt.rope_fp8:
+                lines += split_to("$2", 64, "u", 64 * m)
+            else:
+                lines += [*at_row("$2", 128, "u"), "st.shared.v4.b32 [sa], {a0, a1, a2, a3};"]
     return "\n".join([*lines, "fence.proxy.async.shared::cta;", "}"])
 
 
@@ -600,20 +607,20 @@ def _init_barriers(bars_ref, count: int, work=None):
 def _gather_tile(fmt: RowFormat, refs, remaining, t, head=None, position=None):
     """Producer warpgroup, tile ``t`` of keys ``idx[:min(T, remaining)]``.
 
-    ``refs`` = (cache, idx, raw, bar, ids, zero, ring[, sc]); ``cache`` [rows, stride] uint8
-    holds one row (``fmt.fp4``: one per KV head, ``head`` the byte offset of this CTA's). Lane
-    j < T: ``key = idx[j]`` (read from global memory on tile 0, else from slot t % 2 of
-    ``ring``, where tile t - 1 prefetched it; -1 past ``remaining`` or outside [0, rows): such
-    a key's row is never read; the all-zero row ``zero`` is copied in its place, so its K, V
-    and scales are 0 and the tile's byte count is fixed); one ``cp.async.bulk`` of that row ->
+    ``refs`` = (cache, idx, raw, bar, ids, zero, ring[, sc]); ``cache`` [rows, stride] uint8 holds
+    one row (``fmt.fp4``: one per KV head, ``head`` the byte offset of this CTA's). Lane j < T:
+    ``key = idx[j]`` (read from global memory on tile 0, else from slot t % 2 of ``ring``, where
+    tile t - 1 prefetched it; -1 past ``remaining`` or outside [0, rows): such a key's row is never
+    read; the row ``zero`` (``masked_row``) is copied in its place, so its K, V and scales are 0 but
+    one finite byte, and the tile's byte count is fixed); one ``cp.async.bulk`` of that row ->
     ``raw[j]`` (pitch ``fmt.pitch``) completing on ``bar``; ``ids[j] = key``; with
-    ``fmt.scale_words``, ``sc[i, j]`` = the row's word i, 4-byte ``cp.async`` copies that
-    ``bar`` also waits for (``cp.async.mbarrier.arrive``); then ``idx[T + j]`` -> ring slot
-    (t + 1) % 2 with ``cp.async`` where tile t + 1 has key j (each lane reads back only what it
-    copied, after ``cp.async.wait_all``). After a producer-wide barrier lane 0 arms ``bar``
-    with the tile's bytes, a release: the ids are visible to whoever acquires the completed
-    phase. With ``fmt.page_size``, ``idx`` is the request's block-table row and lane j's key
-    is the slot of position ``position + j`` (``gather_ptx``); the ring holds pages.
+    ``fmt.scale_words``, ``sc[i, j]`` = the row's word i, 4-byte ``cp.async`` copies that ``bar``
+    also waits for (``cp.async.mbarrier.arrive``); then ``idx[T + j]`` -> ring slot (t + 1) % 2 with
+    ``cp.async`` where tile t + 1 has key j (each lane reads back only what it copied, after
+    ``cp.async.wait_all``). After a producer-wide barrier lane 0 arms ``bar`` with the tile's bytes,
+    a release: the ids are visible to whoever acquires the completed phase. With ``fmt.page_size``,
+    ``idx`` is the request's block-table row and lane j's key is the slot of position ``position +
+    j`` (``gather_ptx``); the ring holds pages.
     """
     plgpu, mgpu_utils, ir, llvm, _, _ = _mgpu()
     splat = plgpu.Layout.WG_SPLAT(shape=())
@@ -683,8 +690,8 @@ def _stage_q_rows(fmt: RowFormat, c: int, q_rows, q_lat, q_rope, row0):
     """Consumer ``c`` stages its part of q's rows ``q_rows`` [heads, 576] (GMEM) from row
     ``row0`` on into ``q_lat`` and ``q_rope`` (SMEM): ``q_rows_ptx``."""
     plgpu, mgpu_utils, ir, llvm, _, _ = _mgpu()
-    swizzled = plgpu.RefType(transforms=_swizzle_transforms(128))
-    arg_types = (plgpu.RefType(), swizzled, swizzled, plgpu.Layout.WG_SPLAT(shape=()))
+    lat, rope = (plgpu.RefType(transforms=_swizzle_transforms(x)) for x in (128, rope_swizzle(fmt)))
+    arg_types = (plgpu.RefType(), lat, rope, plgpu.Layout.WG_SPLAT(shape=()))
 
     @plgpu.inline_mgpu(arg_types=arg_types)
     def stage(ctx, q_rows, q_lat, q_rope, row0):
@@ -847,14 +854,15 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
 
     Inputs (GMEM): cache [N, row_bytes] uint8; idx [nnz] int32 (a tile's slice may extend past
     nnz: entries past its key count are never read); zero [row_bytes] uint8 (the row copied for
-    a masked key); q_lat [G, HB, LATENT_BLOCKS, m, DB] bf16; q_rope [G, HB, rope_blocks, m,
-    64 / rope_blocks] bf16; work [G, S, WORK] int32 (first position in idx, key count, first
-    key position of the split within its group's list, the list's length, 0...); scale [128]
-    f32 (the score scale in log2 units, then the output scale); causal only: rowpos [HB, 64]
-    int32 (each row's query position), iota [64] int32. Outputs: o [G, S, HB, 512, m] f32
-    (O^T, permuted dims); lse [G, S, HB, m] f32 (natural log, as the ops return it, so that
-    with one split no XLA kernel slices or scales it; -inf for a row without keys). ``smem``:
-    ``_scratch``'s buffers and barriers.
+    a masked key, ``masked_row``); q [G, heads, 576] bf16 rows (``fmt.fp4``: ``fp4_q``'s
+    operands, copied by TMA); the lists: work [G, S, WORK] int32 (first position in idx, key
+    count, first key position of the split within its group's list, the list's length, 0...),
+    or with ``rule`` indptr [G + 1] int32, from which thread 0 makes the CTA's entry; scale
+    [128] f32 (the score scale in log2 units, then the output scale); causal only: rowpos [HB,
+    64] int32 (each row's query position), iota [64] int32. Outputs: o [G, S, HB, dims, m] f32
+    (O^T, permuted dims) or, finished with one split, [G, heads, 512] bf16 rows; lse [G, S, HB,
+    m] f32 (natural log, as the ops return it, so that with one split no XLA kernel slices or
+    scales it; -inf for a row without keys). ``smem``: ``_scratch``'s buffers and barriers.
 
     Warpgroups 0 .. CONSUMERS - 1 consume, warpgroup CONSUMERS produces. Consumer c converts,
     scores and accumulates only its own latent chunks (consumer 0 also the rope): the partial
@@ -870,12 +878,10 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
     """
     plgpu = _mgpu()[0]
     m = fmt.m
-    cache, idx_ref, zero, q_ref, *refs = refs
-    q_rope = None if fmt.fp4 or fmt.heads else refs.pop(0)
-    lists_ref, scale_ref, *causal_refs, o_ref, lse_ref = refs
+    cache, idx_ref, zero, q_ref, lists_ref, scale_ref, *causal_refs, o_ref, lse_ref = refs
     s = smem
-    hbs = row_blocks(fmt, fmt.heads) if fmt.heads else q_ref.shape[1]
-    out_rows = len(o_ref.shape) == 3  # bf16 rows [G, heads, 512] (``fmt.heads``, one split)
+    hbs = q_ref.shape[1] if fmt.fp4 else fmt.blocks
+    out_rows = len(o_ref.shape) == 3  # finished bf16 rows [G, heads, 512] (one split)
     g = jax.lax.div(jax.lax.axis_index("gh"), hbs)
     hb = jax.lax.rem(jax.lax.axis_index("gh"), hbs)
     split = jax.lax.axis_index("split")
@@ -896,9 +902,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
         return jax.lax.broadcast_in_dim(v, (n, m), [1])
 
     _init_barriers(s["rec_bars"], stages, rule and (rule, lists_ref, s["work"], g, split))
-    setup = [] if fmt.heads else [(q_ref.at[g, hb], s["q_lat"])]
-    if q_rope is not None:
-        setup.append((q_rope.at[g, hb], s["q_rope"]))
+    setup = [(q_ref.at[g, hb], s["q_lat"])] if fmt.fp4 else []
     if rule is None:
         setup.append((lists_ref.at[g, split], s["work"]))
     setup.append((scale_ref, s["scale"]))
@@ -948,7 +952,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
 
     def consume(c: int):
         plgpu.set_max_registers(consumer_registers(), action="increase")
-        if fmt.heads:
+        if not fmt.fp4:
             _stage_q_rows(fmt, c, q_ref.at[g], s["q_lat"], s["q_rope"], hb * m)
             plgpu.commit_smem()  # q visible to this warpgroup's wgmmas
         score_scale = load(s["scale"].at[pl.ds(0, m)], per_row)
@@ -1133,11 +1137,10 @@ def _swizzle_transforms(swizzle: int) -> tuple:
 
 
 def _setup_copies(fmt: RowFormat, rule: SplitRule | None) -> int:
-    """The TMA copies that fill SMEM before the walk: q's operand blocks (unless
-    ``fmt.heads``), the work entry (unless the kernel makes it by ``rule``), the scales, and
-    the causal formats' row positions and iota."""
-    q_blocks = 0 if fmt.heads else 1 + bool(fmt.rope_blocks)
-    return q_blocks + (rule is None) + 1 + 2 * fmt.causal
+    """The TMA copies that fill SMEM before the walk: UltraQuant's q operands (the latent
+    formats' q the consumers stage), the work entry (unless the kernel makes it by ``rule``),
+    the scales, and the causal formats' row positions and iota."""
+    return fmt.fp4 + (rule is None) + 1 + 2 * fmt.causal
 
 
 def _scratch(fmt: RowFormat, rule: SplitRule | None) -> dict:
@@ -1182,7 +1185,7 @@ def _scratch(fmt: RowFormat, rule: SplitRule | None) -> dict:
     }
     if fmt.rope_blocks:
         width = ROPE_DIM // fmt.rope_blocks
-        scratch["q_rope"] = swizzled((fmt.rope_blocks, m, width), 2 * width)
+        scratch["q_rope"] = swizzled((fmt.rope_blocks, m, width), rope_swizzle(fmt))
     if fmt.scale_words:
         dtype = jnp.uint32 if fmt.fp4 else jnp.float32  # scale bytes, or float32 scales
         scratch["sc"] = plgpu.SMEM((stages, len(fmt.scale_words), T), dtype)
@@ -1223,21 +1226,19 @@ def masked_row(fmt: RowFormat) -> np.ndarray:
     return row
 
 
-def attention(
-    fmt: RowFormat, cache, idx, lists, q_lat, q_rope, score_scale, out_scale, positions=None
-):
+def attention(fmt: RowFormat, cache, idx, lists, q, score_scale, out_scale, *, finished=True):
     """Runs the kernel: ``cache`` [N, row_bytes] uint8 (``fmt.fp4``: [N, HB * row_bytes]),
     ``idx`` [nnz] int32, ``lists`` the key lists: work entries [G, S, WORK] (``work_lists``)
-    or (indptr [G + 1] int32, ``SplitRule``) for the kernel to split; ``q_lat`` [G, HB,
-    LATENT_BLOCKS, m, DB] and ``q_rope`` [G, HB, rope_blocks, m, 64 / rope_blocks] bf16
-    (``fmt.heads``: ``q_lat`` is q itself, [G, heads, 576] bf16, ``q_rope`` None; ``fmt.fp4``:
-    ``q_lat`` [G, HB, FP4_SLICES, Q_PIECES * m, FP4_WORDS] from ``fp4_q``, ``q_rope`` None),
-    scalar scales (the score scale in natural units); causal formats: ``positions`` [HB * m]
-    int32, each row's query position in [0, qlen).
+    or (indptr [G + 1] int32, ``SplitRule``) for the kernel to split; ``q`` [G, heads, 576]
+    bf16 rows as they are (``fmt.fp4``: [G, HB, FP4_SLICES, Q_PIECES * m, FP4_WORDS] from
+    ``fp4_q``), scalar scales (the score scale in natural units). ``finished``: the caller
+    wants bf16 out, not partials to merge itself. Causal formats: row r is query position
+    r // (heads / qlen) (``fmt.heads`` rows: qlen positions of the same heads).
 
     Returns o [G, S, HB * m, fmt.dims] f32 (natural dim order, each split normalized by its own
-    sum and times ``out_scale``; with ``fmt.heads`` and one split: [G, 1, heads, 512] bf16) and
-    lse [G, S, HB * m] f32 (natural log; -inf without keys).
+    sum and times ``out_scale``; ``finished`` latent formats with one split: [G, 1, heads,
+    512] bf16, written by the kernel) and lse [G, S, HB * m] f32 (natural log; -inf without
+    keys).
     """
     plgpu = _mgpu()[0]
     m = fmt.m
@@ -1246,20 +1247,19 @@ def attention(
     rule = None
     if isinstance(lists, tuple):
         lists, rule = lists
-    g = q_lat.shape[0]
-    hbs = row_blocks(fmt, fmt.heads) if fmt.heads else q_lat.shape[1]
+    g = q.shape[0]
+    hbs = q.shape[1] if fmt.fp4 else fmt.blocks
     splits = rule.splits if rule else lists.shape[1]
     static = all(isinstance(x, (float, np.floating)) for x in (score_scale, out_scale))
     xp = np if static else jnp  # static scales make an XLA constant, not a kernel
     scales = [xp.float32(score_scale) * xp.float32(LOG2E), xp.float32(out_scale)]
     scale = xp.repeat(xp.stack(scales), DB)
-    inputs = [cache, idx, masked_row(fmt), q_lat]
-    inputs += [] if q_rope is None else [q_rope]
-    inputs += [lists, scale]
-    if fmt.causal:
-        rowpos = jnp.pad(positions.reshape(hbs, m), ((0, 0), (0, 64 - m)))
-        inputs += [rowpos.astype(jnp.int32), jnp.arange(64, dtype=jnp.int32)]
-    if fmt.heads and splits == 1:
+    inputs = [cache, idx, masked_row(fmt), q, lists, scale]
+    if fmt.causal:  # constants: each row's query position, and 0 .. 63
+        positions = np.arange(hbs * m, dtype=np.int32) // (fmt.heads // fmt.qlen)
+        rowpos = np.pad(positions.reshape(hbs, m), ((0, 0), (0, 64 - m)))
+        inputs += [rowpos, np.arange(64, dtype=np.int32)]
+    if finished and not fmt.fp4 and splits == 1:
         o_type = jax.ShapeDtypeStruct((g, fmt.heads, LATENT_DIM), jnp.bfloat16)
     else:
         o_type = jax.ShapeDtypeStruct((g, splits, hbs, fmt.dims, m), jnp.float32)

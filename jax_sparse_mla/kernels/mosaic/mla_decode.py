@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_sparse_mla._platform import by_platform
-from jax_sparse_mla.formats import KV_DIM, LATENT_DIM, ROPE_DIM
+from jax_sparse_mla.formats import KV_DIM, LATENT_DIM
 from jax_sparse_mla.kernels.mosaic._pipeline import (
     RowFormat,
     SplitRule,
@@ -31,8 +31,6 @@ from jax_sparse_mla.kernels.mosaic._pipeline import (
     fail_off_cuda,
     merge_splits,
     per_element_vmap,
-    permute_latent,
-    row_blocks,
     rows_per_cta,
 )
 from jax_sparse_mla.reference.mla_decode import SPLIT_ALIGN
@@ -42,7 +40,8 @@ PITCH = 592  # SMEM bytes per staged row: 148 words, 4 mod 8 (bank-conflict free
 
 def row_format(qlen: int, heads: int) -> RowFormat:
     """The cache's RowFormat for requests of ``qlen`` positions of ``heads`` heads: 16 rows per
-    CTA where qlen * heads <= 16, else 32."""
+    CTA where qlen * heads <= 16, else 32; q arrives as it is (``RowFormat.heads``: a request's
+    qlen * heads rows, row r = i * heads + h)."""
     return RowFormat(
         row_bytes=KV_DIM,
         pitch=PITCH,
@@ -51,38 +50,23 @@ def row_format(qlen: int, heads: int) -> RowFormat:
         rope_fp8=True,
         qlen=qlen,
         m=rows_per_cta(qlen * heads),
+        heads=qlen * heads,
     )
 
 
-def permute_q(q, b: int, qlen: int, hbs: int, m: int):
-    """[B * qlen, H, 576] -> latent blocks [B, hbs, 8, m, 64] (``permute_latent``) and rope
-    blocks [B, hbs, 2, m, 32] (block p, column j: rope dim 2j + p); rows r = i * H + h of each
-    request, padded with zeros to hbs * m."""
-    h = q.shape[1]
-    rows = q.reshape(b, qlen * h, KV_DIM)
-    rope = jnp.pad(rows[..., LATENT_DIM:], ((0, 0), (0, hbs * m - qlen * h), (0, 0)))
-    rope = rope.reshape(b, hbs, m, ROPE_DIM // 2, 2).transpose(0, 1, 4, 2, 3)
-    return permute_latent(rows[..., :LATENT_DIM], hbs, m), rope
-
-
-def _partials(q, codes, kv_indices, kv_indptr, k_scale, v_scale, sm_scale, *, qlen, splits, align):
+def _partials(
+    q, codes, kv_indices, kv_indptr, k_scale, v_scale, sm_scale, *, qlen, splits, align, finished
+):
     """-> o [B * qlen, S, H, 512] f32 and lse [B * qlen, S, H] f32 (natural log), each split
-    normalized by its own sum; splits cut at multiples of ``align``."""
+    normalized by its own sum; splits cut at multiples of ``align``. ``finished`` with one
+    split: o is the bf16 output (``attention``)."""
     rows, h, _ = q.shape
     b = kv_indptr.shape[0] - 1
     fmt = row_format(qlen, h)
-    hbs = row_blocks(fmt, h)
     lists = (kv_indptr, SplitRule(kv_indices.shape[0], splits, align))
-    positions = jnp.arange(hbs * fmt.m, dtype=jnp.int32) // h
+    q_rows = q.reshape(b, qlen * h, KV_DIM)
     o, lse = attention(
-        fmt,
-        codes,
-        kv_indices,
-        lists,
-        *permute_q(q, b, qlen, hbs, fmt.m),
-        sm_scale * k_scale,
-        v_scale,
-        positions,
+        fmt, codes, kv_indices, lists, q_rows, sm_scale * k_scale, v_scale, finished=finished
     )
     o = o[:, :, : qlen * h].reshape(b, splits, qlen, h, LATENT_DIM).transpose(0, 2, 1, 3, 4)
     lse = lse[:, :, : qlen * h].reshape(b, splits, qlen, h).transpose(0, 2, 1, 3)
@@ -102,7 +86,7 @@ def mla_decode_partials_mosaic(q, codes, kv_indices, kv_indptr, *, qlen, num_spl
     [B + 1] int32; ``scales``: k_scale, v_scale, sm_scale (float or 0-d array). Returns
     o_parts [B * qlen, S, H, 512] f32 and lse_parts [B * qlen, S, H] f32."""
     args = (q, codes, kv_indices, kv_indptr)
-    return _run(*args, qlen=qlen, splits=num_splits, align=SPLIT_ALIGN, **scales)
+    return _run(*args, qlen=qlen, splits=num_splits, align=SPLIT_ALIGN, finished=False, **scales)
 
 
 def mla_decode_mosaic(q, codes, kv_indices, kv_indptr, *, qlen, num_splits=None, **scales):
@@ -111,10 +95,12 @@ def mla_decode_mosaic(q, codes, kv_indices, kv_indptr, *, qlen, num_splits=None,
     merged in float32. Returns out [B * qlen, H, 512] bf16 and lse [B * qlen, H] f32."""
     b, h = kv_indptr.shape[0] - 1, q.shape[1]
     if num_splits is None:
-        hbs = row_blocks(row_format(qlen, h), h)
+        hbs = row_format(qlen, h).blocks
         num_splits = choose_splits(b * hbs, kv_indices.shape[0] / T / b)
     args = (q, codes, kv_indices, kv_indptr)
-    return merge_splits(*_run(*args, qlen=qlen, splits=num_splits, align=T, **scales))
+    return merge_splits(
+        *_run(*args, qlen=qlen, splits=num_splits, align=T, finished=True, **scales)
+    )
 
 
 def _off_cuda(splits: bool):

@@ -32,7 +32,6 @@ from jax_sparse_mla.kernels.mosaic._pipeline import (
     fail_off_cuda,
     merge_splits,
     per_element_vmap,
-    row_blocks,
     rows_per_cta,
 )
 from jax_sparse_mla.reference.sparse_mla import no_keys
@@ -69,9 +68,9 @@ def sparse_mla_mosaic(q, kv, idx, indptr, sm_scale):
     if n_q == 0 or h == 0 or nnz == 0 or records.shape[0] == 0:
         return no_keys(n_q, h)
     fmt = row_format(h)
-    splits = choose_splits(n_q * row_blocks(fmt, h), nnz / T / n_q)
+    splits = choose_splits(n_q * fmt.blocks, nnz / T / n_q)
     lists = (indptr, SplitRule(nnz, splits, T))
-    o, lse = attention(fmt, records, idx, lists, q, None, sm_scale, 1.0)
+    o, lse = attention(fmt, records, idx, lists, q, sm_scale, 1.0)
     return merge_splits(o[:, :, :h], lse[:, :, :h])
 
 

@@ -97,7 +97,6 @@ def _decode(q, cache, block_tables, seq_lens, sm_scale, *, splits):
         block_tables.reshape(-1),
         entries,
         fp4_q(pieces, hk, m),
-        None,
         sm_scale * FP4_BIAS,
         FP4_BIAS,
     )
