@@ -445,22 +445,33 @@ def q_rows_ptx(fmt: RowFormat, c: int) -> str:
     their high halves to its odd block (``prmt``), 8 bytes each at column 4 (l % 16). A
     32-lane warp reads 512 contiguous bytes of one row. The rope: lane l takes 16 bytes of row
     l // 8 + 16k, at column 8 (l % 8) (bf16 rope), or split into the parity blocks at column
-    4 (l % 8) (fp8 rope). Swizzle (Mosaic GPU's, that of TMA and wgmma): byte offset o in a
-    buffer of S-byte rows becomes o ^ (((o >> 7) % (S / 16)) << 4); each block starts at a
-    multiple of 1024 bytes (S = 128) or 512 (S = 64), m being a multiple of 8, so only the
-    row moves the swizzle. Ends with ``fence.proxy.async`` so that wgmma sees the stores."""
+    4 (l % 8) (fp8 rope). Every load is issued before the first store, so that a thread waits
+    for global memory once, not once per row. Swizzle (Mosaic GPU's, that of TMA and wgmma):
+    byte offset o in a buffer of S-byte rows becomes o ^ (((o >> 7) % (S / 16)) << 4); each
+    block starts at a multiple of 1024 bytes (S = 128) or 512 (S = 64), m being a multiple of
+    8, so only the row moves the swizzle. Ends with ``fence.proxy.async`` so that wgmma sees
+    the stores."""
     m = fmt.m
+    latent = [(f"x{k}", "rb", 4 * k, 512 * c) for k in range(m // 4)]  # (registers, row, dims)
+    rope = [(f"y{k}", "rr", 16 * k, 2 * LATENT_DIM) for k in range(m // 16)] if c == 0 else []
+    pieces = latent + rope
     lines = [
         "{",
-        ".reg .pred ok;",
-        ".reg .b32 lane, u, rb, ub, r, row, off, sw, a0, a1, a2, a3, e1, o0, o1;",
-        ".reg .b64 gu, ga, sa;",
+        ".reg .pred " + ", ".join(f"p{name}" for name, *_ in pieces) + ";",
+        ".reg .b32 " + ", ".join(f"{name}_{i}" for name, *_ in pieces for i in range(4)) + ";",
+        ".reg .b32 lane, u, v, rb, rr, ub, r, row, off, sw, e0, e1, o0, o1;",
+        ".reg .b64 gu, gv, ga, sa;",
         "mov.u32 lane, %tid.x;",
         "and.b32 lane, lane, 127;",
         "and.b32 u, lane, 31;",
         "shr.u32 rb, lane, 5;",
         "mul.wide.u32 gu, u, 16;",
         "add.u64 gu, gu, $0;",
+        "and.b32 v, lane, 7;",  # the rope: 16 bytes at column 8 (l % 8) of row l // 8
+        "shr.u32 rr, lane, 3;",
+        "shl.b32 v, v, 4;",
+        "cvt.u64.u32 gv, v;",
+        "add.u64 gv, gv, $0;",
         "shr.u32 off, u, 4;",  # which of the consumer's two chunks
         f"mul.lo.s32 off, off, {256 * m};",  # its even block: 2 blocks of m rows of 128 bytes
         "and.b32 sw, u, 15;",
@@ -469,29 +480,18 @@ def q_rows_ptx(fmt: RowFormat, c: int) -> str:
         f"add.u32 ub, ub, {512 * m * c};",  # blocks 4c ..: the consumer's first chunk
     ]
 
-    def row_of(step: int, k: int, offset: int) -> list[str]:
-        """Row rb + step * k: its 16 bytes at ``offset`` (+ gu) in a0..a3, zeros past heads."""
+    def load(name: str, first: str, step: int, offset: int) -> list[str]:
+        """Row ``first`` + ``step`` (from $3 on): its 16 bytes at ``offset`` (+ gu or gv) into
+        ``name``_0..3; zeros past heads."""
+        regs = ", ".join(f"{name}_{i}" for i in range(4))
         return [
-            f"add.u32 r, rb, {step * k};",
-            "add.u32 row, r, $3;",
-            f"setp.lt.u32 ok, row, {fmt.heads};",
-            *(f"mov.b32 a{i}, 0;" for i in range(4)),
+            f"add.u32 row, {first}, {step};",
+            "add.u32 row, row, $3;",
+            f"setp.lt.u32 p{name}, row, {fmt.heads};",
+            *(f"mov.b32 {name}_{i}, 0;" for i in range(4)),
             f"mul.wide.u32 ga, row, {2 * (LATENT_DIM + ROPE_DIM)};",
-            "add.u64 ga, ga, gu;",
-            f"@ok ld.global.nc.v4.b32 {{a0, a1, a2, a3}}, [ga+{offset}];",
-        ]
-
-    def split_to(buffer: str, row_bytes: int, column: str, odd_block: int) -> list[str]:
-        """a0..a3's even halves to row r, byte ``column`` of ``buffer``, their odd halves
-        ``odd_block`` bytes further."""
-        return [
-            "prmt.b32 e1, a2, a3, 0x5410;",
-            "prmt.b32 o0, a0, a1, 0x7632;",
-            "prmt.b32 o1, a2, a3, 0x7632;",
-            "prmt.b32 a0, a0, a1, 0x5410;",
-            *at_row(buffer, row_bytes, column),
-            "st.shared.v2.b32 [sa], {a0, e1};",
-            f"st.shared.v2.b32 [sa+{odd_block}], {{o0, o1}};",
+            f"add.u64 ga, ga, {'gu' if first == 'rb' else 'gv'};",
+            f"@p{name} ld.global.nc.v4.b32 {{{regs}}}, [ga+{offset}];",
         ]
 
     def at_row(buffer: str, row_bytes: int, column: str) -> list[str]:
@@ -507,19 +507,31 @@ def q_rows_ptx(fmt: RowFormat, c: int) -> str:
             f"add.u64 sa, sa, {buffer};",
         ]
 
-    for k in range(m // 4):
-        lines += row_of(4, k, 512 * c) + split_to("$1", 128, "ub", 128 * m)
-    if c == 0:
-        lines += ["and.b32 u, lane, 7;", "shr.u32 rb, lane, 3;", "shl.b32 u, u, 4;"]
-        lines += ["cvt.u64.u32 gu, u;", "add.u64 gu, gu, $0;"]
-        if fmt.rope_fp8:
-            lines.append("shr.u32 u, u, 1;")  # column 4 (l % 8) of a 32-dim block: 8 bytes
-        for k in range(m // 16):
-            lines += row_of(16, k, 2 * LATENT_DIM)
-            if fmt.rope_fp8:
-                lines += split_to("$2", 64, "u", 64 * m)
-            else:
-                lines += [*at_row("$2", 128, "u"), "st.shared.v4.b32 [sa], {a0, a1, a2, a3};"]
+    def split_to(name: str, buffer: str, row_bytes: int, column: str, odd: int) -> list[str]:
+        """``name``_0..3's even halves to row r, byte ``column`` of ``buffer``, their odd halves
+        ``odd`` bytes further."""
+        a = [f"{name}_{i}" for i in range(4)]
+        return [
+            f"prmt.b32 e0, {a[0]}, {a[1]}, 0x5410;",
+            f"prmt.b32 e1, {a[2]}, {a[3]}, 0x5410;",
+            f"prmt.b32 o0, {a[0]}, {a[1]}, 0x7632;",
+            f"prmt.b32 o1, {a[2]}, {a[3]}, 0x7632;",
+            *at_row(buffer, row_bytes, column),
+            "st.shared.v2.b32 [sa], {e0, e1};",
+            f"st.shared.v2.b32 [sa+{odd}], {{o0, o1}};",
+        ]
+
+    for name, first, step, offset in pieces:  # every load in flight before the first store
+        lines += load(name, first, step, offset)
+    for name, first, step, _ in latent:
+        lines += [f"add.u32 r, {first}, {step};", *split_to(name, "$1", 128, "ub", 128 * m)]
+    for name, first, step, _ in rope:
+        lines.append(f"add.u32 r, {first}, {step};")
+        if fmt.rope_fp8:  # column 4 (l % 8) of each 32-dim parity block: 8 bytes
+            lines += ["shr.u32 u, v, 1;", *split_to(name, "$2", 64, "u", 64 * m)]
+        else:
+            regs = ", ".join(f"{name}_{i}" for i in range(4))
+            lines += [*at_row("$2", 128, "v"), f"st.shared.v4.b32 [sa], {{{regs}}};"]
     return "\n".join([*lines, "fence.proxy.async.shared::cta;", "}"])
 
 
