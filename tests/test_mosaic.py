@@ -454,6 +454,38 @@ def test_decode_cuda_lowering_hands_the_cache_itself_to_the_kernel(op, qlen, h, 
         assert re.search(cast + r" -> tensor<4000x576xui8>", text), text[:2000]
 
 
+def _ops_beside_the_kernel(text: str) -> list[str]:
+    """The stablehlo ops of a lowering other than the Mosaic GPU call, the shape-only ops
+    (reshape, a transpose or broadcast that XLA makes a bitcast, a slice), the platform
+    switch and constants; a broadcast of a scalar (a traced scale) is kept."""
+    ops = re.findall(r"= (?:\"?)stablehlo\.(\w+)", text)
+    scalars = re.findall(r"stablehlo\.broadcast_in_dim %\w+, dims = \[\] ", text)
+    shape_only = {"custom_call", "reshape", "transpose", "broadcast_in_dim", "slice", "case"}
+    return [op for op in ops if op not in shape_only | {"constant"}] + ["scalar broadcast"] * len(
+        scalars
+    )
+
+
+@pytest.mark.parametrize("n_q,h", [(128, 16), (128, 128), (128, 20)])
+def test_a_one_split_sparse_call_is_the_kernel_alone(n_q, h):
+    """With one split (enough rows to fill the GPU) a ``sparse_mla`` call lowers to the Mosaic
+    GPU call and shape-only ops: q, indptr and the output reach and leave the kernel as they
+    are, and the scales and the masked-key row are constants (no arithmetic, pad, concatenate
+    or iota around it)."""
+    text = _lowered_text(n_q, h, 5000, 2048)
+    assert len(re.findall(r"stablehlo\.custom_call @mosaic_gpu", text)) == 1
+    assert _ops_beside_the_kernel(text) == [], text[:3000]
+
+
+@pytest.mark.parametrize("qlen", [1, 2])
+def test_a_one_split_decode_call_is_the_kernel_alone(qlen):
+    """Likewise ``mla_decode`` with one split (128 requests): the kernel and shape-only ops,
+    the causal row positions constants."""
+    text = _decode_lowered_text("mla_decode", 128, qlen, 12, 128 * 4096, 128 * 4096)
+    assert len(re.findall(r"stablehlo\.custom_call @mosaic_gpu", text)) == 1
+    assert _ops_beside_the_kernel(text) == [], text[:3000]
+
+
 def test_decode_vmap_runs_the_kernel_once_per_batch_element():
     args = (
         jax.ShapeDtypeStruct((2, 4, 16, 576), jnp.bfloat16),
