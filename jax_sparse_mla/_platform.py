@@ -21,6 +21,24 @@ from jax_sparse_mla import ffi
 from jax_sparse_mla._vma import vary_like
 
 
+def is_static_scalar(x) -> bool:
+    """A Python or numpy float: handed to kernels as it is, never traced, so that what is made
+    of it (a scale vector, say) is an XLA constant rather than a kernel."""
+    return isinstance(x, (float, np.floating))
+
+
+def split_static(args) -> tuple[list, Callable]:
+    """(operands, merge): the arguments that are not static scalars (``is_static_scalar``), and
+    ``merge(xs)``, the whole argument list again with ``xs`` in those operands' places."""
+    static = [is_static_scalar(a) for a in args]
+
+    def merge(xs) -> list:
+        it = iter(xs)
+        return [a if s else next(it) for a, s in zip(args, static, strict=True)]
+
+    return [a for a, s in zip(args, static, strict=True) if not s], merge
+
+
 def by_platform(default: Callable, **per_platform: Callable) -> Callable:
     """``fn(*arrays, **options)`` that runs ``per_platform[p]`` when lowered for platform ``p``
     (e.g. ``cuda=...``) and ``default`` elsewhere (``jax.lax.platform_dependent``: a lowering
@@ -29,18 +47,12 @@ def by_platform(default: Callable, **per_platform: Callable) -> Callable:
     numpy scalars among ``arrays`` reach the branches as they are (static), not as operands."""
 
     def run(*args, **options):
-        static = [isinstance(a, (float, np.floating)) for a in args]
+        operands, merge = split_static(args)
 
         def branch(f):
-            def call(*xs):
-                it = iter(xs)
-                full = [a if s else next(it) for a, s in zip(args, static, strict=True)]
-                return vary_like(f(*full, **options), *xs, options)
-
-            return call
+            return lambda *xs: vary_like(f(*merge(xs), **options), *xs, options)
 
         branches = {p: branch(f) for p, f in per_platform.items()}
-        operands = [a for a, s in zip(args, static, strict=True) if not s]
         return jax.lax.platform_dependent(*operands, default=branch(default), **branches)
 
     return run

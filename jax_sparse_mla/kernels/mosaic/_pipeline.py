@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from jax_sparse_mla._platform import is_static_scalar, split_static
 from jax_sparse_mla.formats import LATENT_DIM, ROPE_DIM, UQ_HEAD_DIM, UQ_V_CODES
 from jax_sparse_mla.kernels.fp4_operands import Q_PIECES
 from jax_sparse_mla.reference.attention import merge_partials
@@ -1262,7 +1263,7 @@ def attention(fmt: RowFormat, cache, idx, lists, q, score_scale, out_scale, *, f
     g = q.shape[0]
     hbs = q.shape[1] if fmt.fp4 else fmt.blocks
     splits = rule.splits if rule else lists.shape[1]
-    static = all(isinstance(x, (float, np.floating)) for x in (score_scale, out_scale))
+    static = is_static_scalar(score_scale) and is_static_scalar(out_scale)
     xp = np if static else jnp  # static scales make an XLA constant, not a kernel
     scales = [xp.float32(score_scale) * xp.float32(LOG2E), xp.float32(out_scale)]
     scale = xp.repeat(xp.stack(scales), DB)
@@ -1322,11 +1323,10 @@ def per_element_vmap(fn):
 
     @functools.wraps(fn)
     def call(*args):
-        static = [isinstance(a, (float, np.floating)) for a in args]
+        operands, merge = split_static(args)
 
         def traced_fn(*traced):
-            it = iter(traced)
-            return fn(*(a if s else next(it) for a, s in zip(args, static, strict=True)))
+            return fn(*merge(traced))
 
         wrapped = jax.custom_batching.custom_vmap(traced_fn)
 
@@ -1344,7 +1344,7 @@ def per_element_vmap(fn):
             out = jax.lax.map(one, batched)
             return out, jax.tree.map(lambda _: True, out)
 
-        return wrapped(*(a for a, s in zip(args, static, strict=True) if not s))
+        return wrapped(*operands)
 
     return call
 
