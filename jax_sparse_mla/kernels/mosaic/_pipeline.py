@@ -453,8 +453,9 @@ def q_rows_ptx(fmt: RowFormat, c: int) -> str:
     8, so only the row moves the swizzle. Ends with ``fence.proxy.async`` so that wgmma sees
     the stores."""
     m = fmt.m
-    latent = [(f"x{k}", "rb", 4 * k, 512 * c) for k in range(m // 4)]  # (registers, row, dims)
-    rope = [(f"y{k}", "rr", 16 * k, 2 * LATENT_DIM) for k in range(m // 16)] if c == 0 else []
+    # (registers, first row, row step, byte offset, the lane's base address) of each load
+    latent = [(f"x{k}", "rb", 4 * k, 512 * c, "gu") for k in range(m // 4)]
+    rope = [(f"y{k}", "rr", 16 * k, 2 * LATENT_DIM, "gv") for k in range(m // 16)] if c == 0 else []
     pieces = latent + rope
     lines = [
         "{",
@@ -481,8 +482,8 @@ def q_rows_ptx(fmt: RowFormat, c: int) -> str:
         f"add.u32 ub, ub, {512 * m * c};",  # blocks 4c ..: the consumer's first chunk
     ]
 
-    def load(name: str, first: str, step: int, offset: int) -> list[str]:
-        """Row ``first`` + ``step`` (from $3 on): its 16 bytes at ``offset`` (+ gu or gv) into
+    def load(name: str, first: str, step: int, offset: int, base: str) -> list[str]:
+        """Row ``first`` + ``step`` (from $3 on): its 16 bytes at ``offset`` (+ ``base``) into
         ``name``_0..3; zeros past heads."""
         regs = ", ".join(f"{name}_{i}" for i in range(4))
         return [
@@ -491,7 +492,7 @@ def q_rows_ptx(fmt: RowFormat, c: int) -> str:
             f"setp.lt.u32 p{name}, row, {fmt.heads};",
             *(f"mov.b32 {name}_{i}, 0;" for i in range(4)),
             f"mul.wide.u32 ga, row, {2 * (LATENT_DIM + ROPE_DIM)};",
-            f"add.u64 ga, ga, {'gu' if first == 'rb' else 'gv'};",
+            f"add.u64 ga, ga, {base};",
             f"@p{name} ld.global.nc.v4.b32 {{{regs}}}, [ga+{offset}];",
         ]
 
@@ -522,11 +523,11 @@ def q_rows_ptx(fmt: RowFormat, c: int) -> str:
             f"st.shared.v2.b32 [sa+{odd}], {{o0, o1}};",
         ]
 
-    for name, first, step, offset in pieces:  # every load in flight before the first store
-        lines += load(name, first, step, offset)
-    for name, first, step, _ in latent:
+    for piece in pieces:  # every load in flight before the first store
+        lines += load(*piece)
+    for name, first, step, *_ in latent:
         lines += [f"add.u32 r, {first}, {step};", *split_to(name, "$1", 128, "ub", 128 * m)]
-    for name, first, step, _ in rope:
+    for name, first, step, *_ in rope:
         lines.append(f"add.u32 r, {first}, {step};")
         if fmt.rope_fp8:  # column 4 (l % 8) of each 32-dim parity block: 8 bytes
             lines += ["shr.u32 u, v, 1;", *split_to(name, "$2", 64, "u", 64 * m)]
