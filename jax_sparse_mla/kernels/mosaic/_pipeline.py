@@ -894,7 +894,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
     m = fmt.m
     cache, idx_ref, zero, q_ref, lists_ref, scale_ref, *causal_refs, o_ref, lse_ref = refs
     s = smem
-    hbs = q_ref.shape[1] if fmt.fp4 else fmt.blocks
+    hbs = lse_ref.shape[2]  # row blocks per group: ``attention`` sized the grid by them
     out_rows = len(o_ref.shape) == 3  # finished bf16 rows [G, heads, 512] (one split)
     g = jax.lax.div(jax.lax.axis_index("gh"), hbs)
     hb = jax.lax.rem(jax.lax.axis_index("gh"), hbs)
