@@ -44,6 +44,17 @@ def _f16_bits(value: float) -> int:
     return int(np.array(value, np.float16).view(np.uint16))
 
 
+def _f32(x) -> np.float32:
+    """A register as float32: a float, or the bits of one."""
+    if isinstance(x, int):
+        return np.array(x & MASK["32"], np.uint32).view(np.float32)[()]
+    return np.float32(x)
+
+
+def _max_u16x2(a: int, b: int) -> int:
+    return sum(max(a >> s & 0xFFFF, b >> s & 0xFFFF) << s for s in (0, 16))
+
+
 def _prmt(a: int, b: int, select: int) -> int:
     data = a | b << 32
     return sum((data >> 8 * (select >> 4 * i & 7) & 0xFF) << 8 * i for i in range(4))
@@ -66,6 +77,8 @@ _VALUE_OPS = {  # opcode -> (sources -> result)
     "add.u32": operator.add,
     "add.s32": lambda a, b: _signed(a) + _signed(b),
     "max.s32": lambda a, b: max(_signed(a), _signed(b)),
+    "max.u32": lambda a, b: max(a & MASK["32"], b & MASK["32"]),
+    "max.u16x2": _max_u16x2,
     "min.s32": lambda a, b: min(_signed(a), _signed(b)),
     "mul.lo.s32": lambda a, b: _signed(a) * _signed(b),
     "div.s32": lambda a, b: int(_signed(a) / _signed(b)),  # truncates toward zero
@@ -91,6 +104,8 @@ _VALUE_OPS = {  # opcode -> (sources -> result)
     ),
     "cvt.f32.f16": lambda h: float(np.array(h, np.uint16).view(np.float16)),
     "cvt.rn.bf16x2.f32": lambda a, b: bf16_bits([b, a]),
+    "mul.rn.f32": lambda a, b: _f32(a) * _f32(b),
+    "cvt.rn.f16x2.f32": lambda a, b: _f16_bits(_f32(b)) | _f16_bits(_f32(a)) << 16,
 }
 _WIDE = ("add.u64", "selp.b64", "mul.wide", "cvt.u64")  # opcodes with 64-bit results
 
@@ -202,11 +217,16 @@ def _step(line: str, regs: dict, memory: Memory | None, barriers: dict) -> None:
     elif op == "and.pred":
         dst, a, b = operands
         regs[dst] = regs[a] and regs[b]
-    elif op in ("ld.global.nc.s32", "ld.shared.s32"):
+    elif op in ("ld.global.nc.s32", "ld.shared.s32", "ld.shared.u32"):
         dst, src = operands
         space = op.split(".")[1]
         regs[dst] = int.from_bytes(memory.read(_address(src, regs), 4, space), "little")
-    elif op in ("st.shared.s32", "st.global.b32"):
+    elif op == "red.shared.max.u32":
+        dst, src = operands
+        address = _address(dst, regs)
+        old = int.from_bytes(memory.read(address, 4, "shared"), "little")
+        memory.write(address, max(old, regs[src] & MASK["32"]).to_bytes(4, "little"), "shared")
+    elif op in ("st.shared.s32", "st.shared.u32", "st.global.b32"):
         dst, src = operands
         space = op.split(".")[1]
         memory.write(_address(dst, regs), (regs[src] & MASK["32"]).to_bytes(4, "little"), space)

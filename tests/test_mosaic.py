@@ -70,6 +70,37 @@ def _unswizzle(buf: np.ndarray, rows: int, row_bytes: int = 128) -> np.ndarray:
     return logical.view("<u2").reshape(-1, rows, row_bytes // 2)
 
 
+def _bf16_bits(x) -> np.ndarray:
+    """float32 values -> their bf16 bit patterns (truncated: the test's values are exact)."""
+    return (np.asarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def _q_scale(rows: np.ndarray) -> int:
+    """The float16 formats' q exponent, from the math: the e that puts the largest |value| of
+    ``rows`` (bf16 bits) in [2^14, 2^15), at most 64."""
+    top = np.abs((rows.astype(np.uint32) << 16).view(np.float32)).max()
+    return 64 if top == 0 else min(64, 14 - (math.frexp(float(top))[1] - 1))
+
+
+def _stage_q(fmt, q: np.ndarray, row0: int) -> ptx_sim.Memory:
+    """Both consumers' q passes run lane by lane (a float16 format's ``q_max_ptx`` first, as
+    the kernel's barrier orders them) over q [heads, 576] (bf16 bits); the SMEM buffers start
+    as 0xAB bytes, the q maximum's word as 0 (``init_ptx``)."""
+    m = fmt.m
+    mem = ptx_sim.Memory()
+    operands = {"$0": mem.add("q", q.astype("<u2"), "global"), "$3": row0}
+    operands["$1"] = mem.add("lat", np.full(P.LATENT_BLOCKS * m * 128, 0xAB, np.uint8), "shared")
+    operands["$2"] = mem.add("rope", np.full(m * 128, 0xAB, np.uint8), "shared")
+    operands["$4"] = mem.add("q_max", np.zeros(4, np.uint32), "shared")
+    passes = [P.q_rows_ptx]
+    if fmt.operand_dtype == jnp.float16:
+        passes.insert(0, P.q_max_ptx)
+    for ptx in passes:
+        for c in range(P.CONSUMERS):
+            ptx_sim.run(ptx(fmt, c), operands, lanes=128, memory=mem)
+    return mem
+
+
 @pytest.mark.parametrize(
     "fmt,row0",
     [
@@ -87,19 +118,24 @@ def test_q_rows_ptx_stages_the_operand_blocks_of_the_ctas_rows(fmt, row0):
     block 2c + p, column j of row r holds dim 128c + 2j + p of q row row0 + r; the rope block
     holds its 64 dims (bf16 rope: ``sparse_mla``), or block p column j rope dim 2j + p (fp8
     rope: ``mla_decode``); rows past ``fmt.heads`` are zeros; every byte is written, and only
-    the group's q rows are read."""
+    the group's q rows are read. The float16 formats (``mla_decode``) hold each value times
+    2^e, e putting the CTA's largest |q| in [2^14, 2^15), rounded to float16; their q spans
+    2^-40 .. 2^20 in magnitude, so that some values round."""
     m, heads = fmt.m, fmt.heads
     rng = np.random.default_rng(heads)
-    q = rng.integers(0, 2**16, (heads, 576), np.uint16)
-    mem = ptx_sim.Memory()
-    operands = {"$0": mem.add("q", q.astype("<u2"), "global"), "$3": row0}
-    operands["$1"] = mem.add("lat", np.full(P.LATENT_BLOCKS * m * 128, 0xAB, np.uint8), "shared")
-    operands["$2"] = mem.add("rope", np.full(m * 128, 0xAB, np.uint8), "shared")
-    for c in range(P.CONSUMERS):
-        ptx_sim.run(P.q_rows_ptx(fmt, c), operands, lanes=128, memory=mem)
+    half = fmt.operand_dtype == jnp.float16
+    if half:
+        values = rng.normal(size=(heads, 576)) * 2.0 ** rng.integers(-40, 20, (heads, 576))
+        q = _bf16_bits(values)
+    else:
+        q = rng.integers(0, 2**16, (heads, 576), np.uint16)
+    mem = _stage_q(fmt, q, row0)
     rows = np.zeros((m, 576), np.uint16)
     mine = q[row0 : row0 + m]
     rows[: len(mine)] = mine
+    if half:
+        scaled = (rows.astype(np.uint32) << 16).view(np.float32) * np.float32(2.0 ** _q_scale(rows))
+        rows = scaled.astype(np.float16).view(np.uint16)
     lat = _unswizzle(mem.array("lat", np.uint8), m)
     for c, p in itertools.product(range(P.CHUNKS), range(2)):
         np.testing.assert_array_equal(lat[2 * c + p], rows[:, 128 * c + p : 128 * c + 128 : 2])
@@ -544,19 +580,47 @@ def _run_fp4_ptx(text: str, word: int) -> list[float]:
     return ptx_sim.bf16_pair(regs["$0"])
 
 
+@pytest.mark.parametrize(
+    "maximum,e",
+    [(0.0, 64), (2.0**-60, 64), (2.0**-50, 64), (1.0, 14), (1.5, 14), (-3.0, 13), (65504.0, -1)]
+    + [(2.0**127, -113), (float("inf"), -114), (float("nan"), -114)],
+)
+def test_q_scale_puts_the_largest_q_below_float16s_limit(maximum, e):
+    """A float16 format's q exponent (``q_max_ptx``, then ``q_unscale_ptx``) for rows whose
+    largest |value| is ``maximum`` (the rest smaller or zero): 2^e from the math (e = 14 -
+    floor(log2 max), at most 64), its inverse as float32 bits, and the staged largest value
+    finite in float16."""
+    fmt = D.row_format(1, 16)
+    q = np.zeros((16, 576), np.float32)
+    q[3, 100], q[7, 560], q[0, 0] = maximum, maximum / 4, -maximum / 3
+    mem = _stage_q(fmt, _bf16_bits(q), 0)
+    (regs,), _ = ptx_sim.run(P.q_unscale_ptx(), {"$1": mem.regions["q_max"].base}, memory=mem)
+    assert ptx_sim._f32(regs["$0"]) == np.float32(2.0**-e)
+    lat = _unswizzle(mem.array("lat", np.uint8), 16).view(np.float16)
+    staged = lat[0, 3, 50]  # dim 100 of row 3: chunk 0's even block, column 50
+    if math.isfinite(maximum):
+        exact = (_bf16_bits(maximum).astype(np.uint32) << 16).view(np.float32)
+        assert staged == np.float16(exact * np.float32(2.0**e))
+        assert abs(float(staged)) < 2.0**15
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("parity", [0, 1])
-def test_fp8_ptx_is_the_e4m3_value_of_each_words_byte(parity):
+def test_fp8_ptx_is_the_e4m3_value_of_each_words_byte(parity, dtype):
     """Every pair of e4m3 codes at byte ``parity`` of two uint16 words (one register), the
     other bytes random, through ``_fp8_ptx``'s instructions: the codes' values (NaN for NaN),
-    the first word's in the low half."""
-    text = P._fp8_ptx(parity)
+    the first word's in the low half, as bf16 or float16 pairs."""
+    text = P._fp8_ptx(parity, dtype)
     rng = np.random.default_rng(parity)
     others = rng.integers(0, 256, (256, 256, 2))
     for lo, hi in itertools.product(range(256), repeat=2):
         other = [int(x) << 8 * (1 - parity) for x in others[lo, hi]]
         word = (lo << 8 * parity | other[0]) | (hi << 8 * parity | other[1]) << 16
         (regs,), _ = ptx_sim.run(text, {"$1": word})
-        got = ptx_sim.bf16_pair(regs["$0"])
+        if dtype == jnp.float16:
+            got = [float(x) for x in np.array([regs["$0"]], np.uint32).view(np.float16)]
+        else:
+            got = ptx_sim.bf16_pair(regs["$0"])
         for code, value in zip((lo, hi), got, strict=True):
             want = O.E4M3_TABLE[code]
             assert value == want or (math.isnan(want) and math.isnan(value)), (code, value)

@@ -159,6 +159,15 @@ class RowFormat(NamedTuple):
         return Q_PIECES * UQ_HEAD_DIM if self.fp4 else LATENT_DIM + ROPE_DIM
 
     @property
+    def operand_dtype(self):
+        """The 16-bit float of the wgmma operands (q, K, P, V). float16 for the decode's one
+        scale per call: its e4m3 codes are exact in float16 and convert in one ``cvt`` per pair
+        (bfloat16 takes four more), and q takes a power-of-two scale to fit float16's range
+        (``q_rows_ptx``). bfloat16 where per-key scales multiply P (fp8_ds_mla), whose range
+        float16 lacks, and for UltraQuant's scaled E2M1 codes."""
+        return jnp.bfloat16 if self.fp4 or self.chunk_scales else jnp.float16
+
+    @property
     def p_blocks(self) -> int:
         """bf16 P^T blocks: one per latent chunk (each scaled by its chunk's scales), or one
         per consumer."""
@@ -431,29 +440,25 @@ def rope_swizzle(fmt: RowFormat) -> int:
     return 2 * ROPE_DIM // fmt.rope_blocks
 
 
-def q_rows_ptx(fmt: RowFormat, c: int) -> str:
-    """Consumer ``c`` stages its latent chunks of q's rows (consumer 0 also the rope) from
-    global memory into SMEM operand blocks (block 2c + p, column j: latent dim 128c + 2j + p,
-    the order of a cache row's uint16 words), swizzled as the kernel's SMEM buffers are.
-    Operands: $0 the group's q rows ([heads, 576] bf16), $1 ``q_lat`` ([8, m, 64] bf16,
-    128-byte swizzle), $2 ``q_rope`` ([1, m, 64], likewise; fp8 rope: [2, m, 32], 64-byte
-    swizzle, block p column j holding rope dim 2j + p), $3 the CTA's first row. Rows past
-    ``fmt.heads`` are zeros.
+# A float16 format's q scale from the word at $4, the largest |q| bf16 bit pattern of the
+# CTA's rows (``q_max_ptx``): e = 141 - its exponent field E, so that max |q| * 2^e lies in
+# [2^14, 2^15) (float16's largest finite value is 65504), at most 64 (all-zero rows; below
+# 2^-50 q keeps less headroom); ``up`` = 2^e as float32 bits. E = 255 (NaN, infinity) gives
+# e = -114: 2^e and 2^-e are normal float32 for every E.
+_Q_EXPONENT_PTX = """ld.shared.u32 qe, [$4];
+shr.u32 qe, qe, 7;
+mov.s32 t, 141;
+sub.s32 qe, t, qe;
+min.s32 qe, qe, 64;
+add.s32 t, qe, 127;
+shl.b32 up, t, 23;"""
 
-    Lane l takes 8 dims (16 bytes, four uint32 words of dims 2w, 2w + 1) of its rows
-    l // 32 + 4k: dims 256c + 8 (l % 32) of the row, which are words 4 (l % 16) .. + 3 of
-    chunk 2c + (l % 32) // 16; their low halves (the even dims) go to that chunk's even block,
-    their high halves to its odd block (``prmt``), 8 bytes each at column 4 (l % 16). A
-    32-lane warp reads 512 contiguous bytes of one row. The rope: lane l takes 16 bytes of row
-    l // 8 + 16k, at column 8 (l % 8) (bf16 rope), or split into the parity blocks at column
-    4 (l % 8) (fp8 rope). Every load is issued before the first store, so that a thread waits
-    for global memory once, not once per row. Swizzle (Mosaic GPU's, that of TMA and wgmma):
-    byte offset o in a buffer of S-byte rows becomes o ^ (((o >> 7) % (S / 16)) << 4); each
-    block starts at a multiple of 1024 bytes (S = 128) or 512 (S = 64), m being a multiple of
-    8, so only the row moves the swizzle. Ends with ``fence.proxy.async`` so that wgmma sees
-    the stores."""
+
+def _q_rows(fmt: RowFormat, c: int) -> tuple[list[str], list[tuple], list[tuple]]:
+    """The start of consumer ``c``'s q blocks (``q_rows_ptx`` and ``q_max_ptx``): registers,
+    lane addresses and every load of its rows -> (PTX lines, latent pieces, rope pieces), a
+    piece being (registers, first row, row step, byte offset, the lane's base address)."""
     m = fmt.m
-    # (registers, first row, row step, byte offset, the lane's base address) of each load
     latent = [(f"x{k}", "rb", 4 * k, 512 * c, "gu") for k in range(m // 4)]
     rope = [(f"y{k}", "rr", 16 * k, 2 * LATENT_DIM, "gv") for k in range(m // 16)] if c == 0 else []
     pieces = latent + rope
@@ -462,6 +467,7 @@ def q_rows_ptx(fmt: RowFormat, c: int) -> str:
         ".reg .pred " + ", ".join(f"p{name}" for name, *_ in pieces) + ";",
         ".reg .b32 " + ", ".join(f"{name}_{i}" for name, *_ in pieces for i in range(4)) + ";",
         ".reg .b32 lane, u, v, rb, rr, ub, r, row, off, sw, e0, e1, o0, o1;",
+        *[".reg .b32 qe, t, up, lo, hi, mx;"] * (fmt.operand_dtype == jnp.float16),
         ".reg .b64 gu, gv, ga, sa;",
         "mov.u32 lane, %tid.x;",
         "and.b32 lane, lane, 127;",
@@ -481,20 +487,84 @@ def q_rows_ptx(fmt: RowFormat, c: int) -> str:
         "add.u32 ub, off, sw;",
         f"add.u32 ub, ub, {512 * m * c};",  # blocks 4c ..: the consumer's first chunk
     ]
-
-    def load(name: str, first: str, step: int, offset: int, base: str) -> list[str]:
-        """Row ``first`` + ``step`` (from $3 on): its 16 bytes at ``offset`` (+ ``base``) into
-        ``name``_0..3; zeros past heads."""
+    for name, first, step, offset, base in pieces:  # row first + step (from $3 on): 16 bytes
         regs = ", ".join(f"{name}_{i}" for i in range(4))
-        return [
+        lines += [
             f"add.u32 row, {first}, {step};",
             "add.u32 row, row, $3;",
-            f"setp.lt.u32 p{name}, row, {fmt.heads};",
+            f"setp.lt.u32 p{name}, row, {fmt.heads};",  # zeros past heads
             *(f"mov.b32 {name}_{i}, 0;" for i in range(4)),
             f"mul.wide.u32 ga, row, {2 * (LATENT_DIM + ROPE_DIM)};",
             f"add.u64 ga, ga, {base};",
             f"@p{name} ld.global.nc.v4.b32 {{{regs}}}, [ga+{offset}];",
         ]
+    return lines, latent, rope
+
+
+def q_max_ptx(fmt: RowFormat, c: int) -> str:
+    """A float16 format's first pass over q (``RowFormat.operand_dtype``): consumer ``c`` loads
+    the rows ``q_rows_ptx`` stages and takes the largest |value| as a bf16 bit pattern (sign
+    cleared; larger bits are larger magnitudes, NaN above infinity), into the word at $4 with
+    ``red.shared.max`` (zeroed by ``init_ptx``); operands as ``q_rows_ptx``'s."""
+    lines, latent, rope = _q_rows(fmt, c)
+    regs = [f"{name}_{i}" for name, *_ in latent + rope for i in range(4)]
+    lines.append("mov.b32 mx, 0;")
+    for x in regs:
+        lines += [f"and.b32 t, {x}, 0x7FFF7FFF;", "max.u16x2 mx, mx, t;"]
+    lines += [
+        "shr.u32 hi, mx, 16;",
+        "and.b32 lo, mx, 0xFFFF;",
+        "max.u32 mx, hi, lo;",
+        "red.shared.max.u32 [$4], mx;",
+    ]
+    return "\n".join([*lines, "}"])
+
+
+def q_unscale_ptx() -> str:
+    """$0 = 2^-e as float32 bits, e being the q scale of ``_Q_EXPONENT_PTX`` (word at $4; $1 ..
+    $3 unused): the factor that takes the scores of the scaled q back."""
+    text = _Q_EXPONENT_PTX.replace("[$4]", "[$1]")
+    return "\n".join(
+        [
+            "{",
+            ".reg .b32 qe, t, up;",
+            text,
+            "mov.s32 t, 127;",
+            "sub.s32 t, t, qe;",
+            "shl.b32 $0, t, 23;",
+            "}",
+        ]
+    )
+
+
+def q_rows_ptx(fmt: RowFormat, c: int) -> str:
+    """Consumer ``c`` stages its latent chunks of q's rows (consumer 0 also the rope) from
+    global memory into SMEM operand blocks (block 2c + p, column j: latent dim 128c + 2j + p,
+    the order of a cache row's uint16 words), swizzled as the kernel's SMEM buffers are.
+    Operands: $0 the group's q rows ([heads, 576] bf16), $1 ``q_lat`` ([8, m, 64],
+    128-byte swizzle), $2 ``q_rope`` ([1, m, 64], likewise; fp8 rope: [2, m, 32], 64-byte
+    swizzle, block p column j holding rope dim 2j + p), $3 the CTA's first row; float16 formats
+    (``RowFormat.operand_dtype``): $4 the word of ``q_max_ptx``. Rows past ``fmt.heads`` are
+    zeros. The blocks hold bf16 q, or float16 q * 2^e (``_Q_EXPONENT_PTX``: exact but for
+    values under 2^-31 of the largest, which round to float16 subnormals).
+
+    Lane l takes 8 dims (16 bytes, four uint32 words of dims 2w, 2w + 1) of its rows
+    l // 32 + 4k: dims 256c + 8 (l % 32) of the row, which are words 4 (l % 16) .. + 3 of
+    chunk 2c + (l % 32) // 16; their low halves (the even dims) go to that chunk's even block,
+    their high halves to its odd block (``prmt``), 8 bytes each at column 4 (l % 16). A
+    32-lane warp reads 512 contiguous bytes of one row. The rope: lane l takes 16 bytes of row
+    l // 8 + 16k, at column 8 (l % 8) (bf16 rope), or split into the parity blocks at column
+    4 (l % 8) (fp8 rope). Every load is issued before the first store, so that a thread waits
+    for global memory once, not once per row. Swizzle (Mosaic GPU's, that of TMA and wgmma):
+    byte offset o in a buffer of S-byte rows becomes o ^ (((o >> 7) % (S / 16)) << 4); each
+    block starts at a multiple of 1024 bytes (S = 128) or 512 (S = 64), m being a multiple of
+    8, so only the row moves the swizzle. Ends with ``fence.proxy.async`` so that wgmma sees
+    the stores."""
+    m = fmt.m
+    half = fmt.operand_dtype == jnp.float16
+    lines, latent, rope = _q_rows(fmt, c)
+    if half:
+        lines += _Q_EXPONENT_PTX.splitlines()
 
     def at_row(buffer: str, row_bytes: int, column: str) -> list[str]:
         """sa = ``buffer`` + the swizzled offset of row r, byte ``column``."""
@@ -509,22 +579,35 @@ def q_rows_ptx(fmt: RowFormat, c: int) -> str:
             f"add.u64 sa, sa, {buffer};",
         ]
 
+    def scaled(x: str) -> list[str]:
+        """bf16 pair ``x`` -> the float16 pair of its values times 2^e (``up``)."""
+        return [
+            f"shl.b32 lo, {x}, 16;",
+            f"and.b32 hi, {x}, 0xFFFF0000;",
+            "mul.rn.f32 lo, lo, up;",
+            "mul.rn.f32 hi, hi, up;",
+            f"cvt.rn.f16x2.f32 {x}, hi, lo;",
+        ]
+
     def split_to(name: str, buffer: str, row_bytes: int, column: str, odd: int) -> list[str]:
         """``name``_0..3's even halves to row r, byte ``column`` of ``buffer``, their odd halves
         ``odd`` bytes further."""
         a = [f"{name}_{i}" for i in range(4)]
-        return [
+        lines = [
             f"prmt.b32 e0, {a[0]}, {a[1]}, 0x5410;",
             f"prmt.b32 e1, {a[2]}, {a[3]}, 0x5410;",
             f"prmt.b32 o0, {a[0]}, {a[1]}, 0x7632;",
             f"prmt.b32 o1, {a[2]}, {a[3]}, 0x7632;",
+        ]
+        if half:
+            lines += [line for x in ("e0", "e1", "o0", "o1") for line in scaled(x)]
+        return [
+            *lines,
             *at_row(buffer, row_bytes, column),
             "st.shared.v2.b32 [sa], {e0, e1};",
             f"st.shared.v2.b32 [sa+{odd}], {{o0, o1}};",
         ]
 
-    for piece in pieces:  # every load in flight before the first store
-        lines += load(*piece)
     for name, first, step, *_ in latent:
         lines += [f"add.u32 r, {first}, {step};", *split_to(name, "$1", 128, "ub", 128 * m)]
     for name, first, step, *_ in rope:
@@ -576,46 +659,51 @@ _INIT_PTX = """{
 mov.u32 tid, %tid.x;
 setp.eq.u32 lead, tid, 0;
 INITS
-WORK
+WORK ZERO
 fence.mbarrier_init.release.cluster;
 bar.sync 0;
 }"""
 
 
-def init_ptx(count: int, rule: SplitRule | None) -> str:
-    """Thread 0 initializes ``count`` mbarriers at $0 and, given ``rule``, writes the CTA's
-    work entry (``work_ptx``); then the CTA syncs."""
+def init_ptx(count: int, rule: SplitRule | None, zero: str | None = None) -> str:
+    """Thread 0 initializes ``count`` mbarriers at $0, given ``rule`` writes the CTA's work
+    entry (``work_ptx``) and given ``zero`` (an operand) zeroes the word there; then the CTA
+    syncs."""
     inits = "\n".join(f"@lead mbarrier.init.shared::cta.b64 [$0+{8 * i}], 1;" for i in range(count))
     text = _INIT_PTX.replace("INITS", inits)
+    text = text.replace(" ZERO", f"\n@lead st.shared.u32 [{zero}], 0;" if zero else "")
     return text.replace("WORK", work_ptx(rule) if rule else "")
 
 
-def _init_barriers(bars_ref, count: int, work=None):
-    """Thread 0 initializes ``count`` mbarriers (one arrival each) and, given ``work`` =
-    (rule, indptr, work SMEM, list, split), writes the CTA's work entry (``work_ptx``); then
-    the whole CTA syncs."""
+def _init_barriers(bars_ref, count: int, work=None, zero=None):
+    """Thread 0 initializes ``count`` mbarriers (one arrival each), given ``work`` = (rule,
+    indptr, work SMEM, list, split) writes the CTA's work entry (``work_ptx``) and given
+    ``zero`` (an SMEM ref) zeroes its first word; then the whole CTA syncs."""
     plgpu, mgpu_utils, ir, llvm, _, _ = _mgpu()
     ref, splat = plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=())
     rule, *work_args = work or (None,)
-    arg_types = (ref,) + (ref, ref, splat, splat) * bool(work)
+    refs = [x for x in (zero,) if x is not None]
+    arg_types = (ref,) + (ref, ref, splat, splat) * bool(work) + (ref,) * len(refs)
+    zero_operand = f"${1 + 4 * bool(work)}" if refs else None
 
     @plgpu.inline_mgpu(arg_types=arg_types)
-    def init(ctx, bars, *work_args):
+    def init(ctx, bars, *args):
         del ctx
         ptr = mgpu_utils.memref_ptr
         operands = [ptr(bars)]
-        if work_args:
-            indptr, entry, group, split = work_args
+        if work:
+            indptr, entry, group, split = args[:4]
             operands += [ptr(indptr), ptr(entry), group.registers.item(), split.registers.item()]
+        operands += [ptr(x) for x in args[4 * bool(work) :]]
         llvm.inline_asm(
             ir.Type.parse("!llvm.void"),
             operands,
-            init_ptx(count, rule),
-            "l" + ",l,l,r,r" * bool(work_args),
+            init_ptx(count, rule, zero_operand),
+            "l" + ",l,l,r,r" * bool(work) + ",l" * len(refs),
             has_side_effects=True,
         )
 
-    init(bars_ref, *work_args)
+    init(bars_ref, *work_args, *refs)
 
 
 def _gather_tile(fmt: RowFormat, refs, remaining, t, head=None, position=None):
@@ -700,26 +788,52 @@ def _consumers_barrier():
     sync()
 
 
-def _stage_q_rows(fmt: RowFormat, c: int, q_rows, q_lat, q_rope, row0):
+def _stage_q_rows(fmt: RowFormat, c: int, q_rows, q_lat, q_rope, row0, q_max):
     """Consumer ``c`` stages its part of q's rows ``q_rows`` [heads, 576] (GMEM) from row
-    ``row0`` on into ``q_lat`` and ``q_rope`` (SMEM): ``q_rows_ptx``."""
+    ``row0`` on into ``q_lat`` and ``q_rope`` (SMEM): ``q_rows_ptx``. float16 formats first
+    take the largest |q| of the CTA's rows into ``q_max`` (SMEM, ``q_max_ptx``; every
+    consumer meets after it) and return the float32 factor 2^-e of the scores
+    (``q_unscale_ptx``); bf16 formats (``q_max`` None) return None."""
     plgpu, mgpu_utils, ir, llvm, _, _ = _mgpu()
+    splat = plgpu.Layout.WG_SPLAT(shape=())
     lat, rope = (plgpu.RefType(transforms=_swizzle_transforms(x)) for x in (128, rope_swizzle(fmt)))
-    arg_types = (plgpu.RefType(), lat, rope, plgpu.Layout.WG_SPLAT(shape=()))
+    refs = [x for x in (q_max,) if x is not None]
+    arg_types = (plgpu.RefType(), lat, rope, splat) + (plgpu.RefType(),) * len(refs)
 
-    @plgpu.inline_mgpu(arg_types=arg_types)
-    def stage(ctx, q_rows, q_lat, q_rope, row0):
+    def asm(ptx: str):
+        @plgpu.inline_mgpu(arg_types=arg_types)
+        def run(ctx, q_rows, q_lat, q_rope, row0, *q_max):
+            del ctx
+            ptr = mgpu_utils.memref_ptr
+            llvm.inline_asm(
+                ir.Type.parse("!llvm.void"),
+                [ptr(q_rows), ptr(q_lat), ptr(q_rope), row0.registers.item(), *map(ptr, q_max)],
+                ptx,
+                "l,l,l,r" + ",l" * len(q_max),
+                has_side_effects=True,
+            )
+
+        run(q_rows, q_lat, q_rope, row0, *refs)
+
+    if q_max is None:
+        asm(q_rows_ptx(fmt, c))
+        return None
+    asm(q_max_ptx(fmt, c))
+    _consumers_barrier()  # every consumer's maximum is in q_max
+    asm(q_rows_ptx(fmt, c))
+    from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(),),
+        return_type=plgpu.ShapeDtypeStruct((), jnp.float32, splat),
+    )
+    def unscale(ctx, q_max):
         del ctx
-        ptr = mgpu_utils.memref_ptr
-        llvm.inline_asm(
-            ir.Type.parse("!llvm.void"),
-            [ptr(q_rows), ptr(q_lat), ptr(q_rope), row0.registers.item()],
-            q_rows_ptx(fmt, c),
-            "l,l,l,r",
-            has_side_effects=True,
-        )
+        f32 = ir.F32Type.get()
+        value = llvm.inline_asm(f32, [mgpu_utils.memref_ptr(q_max)], q_unscale_ptx(), "=f,l")
+        return mgpu.FragmentedArray.splat(value, ())
 
-    stage(q_rows, q_lat, q_rope, row0)
+    return unscale(q_max)
 
 
 def _store_out_rows(fmt: RowFormat, chunk: int, even, odd, out_rows, row0):
@@ -750,22 +864,23 @@ def _store_out_rows(fmt: RowFormat, chunk: int, even, odd, out_rows, row0):
     store(even, odd, out_rows, row0)
 
 
-def _bf16_pairs_by_ptx(ptx: str, words, *extra, word: int | None = None):
-    """bf16 [words.shape] (WGMMA layout) from ``ptx`` run on each register of the WGMMA
-    layout: $1 is the register of ``words`` as 32 bits (element ``word`` of it where its
-    registers hold two uint32), $2.. those of the arrays ``extra`` (same shape and layout),
-    $0 the result's pair of bf16."""
+def _pairs_by_ptx(ptx: str, words, *extra, word: int | None = None, dtype=jnp.bfloat16):
+    """``dtype`` (bf16 or float16) [words.shape] (WGMMA layout) from ``ptx`` run on each
+    register of the WGMMA layout: $1 is the register of ``words`` as 32 bits (element ``word``
+    of it where its registers hold two uint32), $2.. those of the arrays ``extra`` (same shape
+    and layout), $0 the result's pair."""
     plgpu, _, ir, llvm, _, arith = _mgpu()
     from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
 
     wgmma = plgpu.Layout.WGMMA
-    out = plgpu.ShapeDtypeStruct(words.shape, jnp.bfloat16, wgmma)
+    out = plgpu.ShapeDtypeStruct(words.shape, dtype, wgmma)
 
     @plgpu.inline_mgpu(arg_types=(wgmma,) * (1 + len(extra)), return_type=out)
     def convert(ctx, words, *extra):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
-        pair = ir.VectorType.get([2], ir.BF16Type.get())
+        half = ir.F16Type.get() if dtype == jnp.float16 else ir.BF16Type.get()
+        pair = ir.VectorType.get([2], half)
         pick = None if word is None else arith.constant(i32, word)
         regs = words.registers.copy()
         for idx, reg in np.ndenumerate(words.registers):
@@ -782,7 +897,15 @@ def _bf16_pairs_by_ptx(ptx: str, words, *extra, word: int | None = None):
 # puts the two e4m3 codes in the low 16 bits (selector 0x0020: bytes 0 and 2, the low bytes;
 # 0x0031: bytes 1 and 3), ``cvt.rn.f16x2.e4m3x2`` makes them an f16 pair (the upper byte the
 # upper half), two ``cvt.f32.f16`` widen them and ``cvt.rn.bf16x2.f32`` packs them (its first
-# source the upper half). Every step is exact for e4m3 codes, NaN and subnormals included.
+# source the upper half). Every step is exact for e4m3 codes, NaN and subnormals included. The
+# float16 formats stop at the f16 pair (``_FP8_F16_PTX``).
+_FP8_F16_PTX = """{
+.reg .b32 t;
+.reg .b16 c, u;
+prmt.b32 t, $1, 0, SELECT;
+mov.b32 {c, u}, t;
+cvt.rn.f16x2.e4m3x2 $0, c;
+}"""
 _FP8_PTX = """{
 .reg .b32 t, h;
 .reg .b16 c, u, hl, hh;
@@ -797,21 +920,23 @@ cvt.rn.bf16x2.f32 $0, f1, f0;
 }"""
 
 
-def _fp8_ptx(parity: int) -> str:
-    """``_FP8_PTX`` for byte ``parity`` (0 low, 1 high) of each of the register's two words."""
-    return _FP8_PTX.replace("SELECT", "0x0031" if parity else "0x0020")
+def _fp8_ptx(parity: int, dtype=jnp.bfloat16) -> str:
+    """``_FP8_PTX`` (``_FP8_F16_PTX`` for float16) for byte ``parity`` (0 low, 1 high) of each
+    of the register's two words."""
+    text = _FP8_F16_PTX if dtype == jnp.float16 else _FP8_PTX
+    return text.replace("SELECT", "0x0031" if parity else "0x0020")
 
 
-def _fp8_to_bf16(words, parity: int):
-    """Byte ``parity`` (0 low, 1 high) of uint16 words [T, n] (WGMMA layout) as the bf16 values
-    of those e4m3 codes [T, n] (WGMMA layout). A register of the WGMMA layout holds two
-    adjacent columns of one row (Mosaic GPU's ``WGMMA_LAYOUT``: vectors of 2 along the last
-    axis), the same ones in ``words`` and in the result, so each 32-bit register of words
-    becomes one register of bf16 pairs (``_FP8_PTX``: five instructions per pair). Written in
-    PTX because jnp's casts (byte masks, then e4m3 -> f16 -> bf16) cost more: on the H200,
-    ``mla_decode`` B=128 seq=32768 qlen=1 took 1214.9 us with them and 1070.9 us with this,
-    outputs unchanged (the shared suites pass)."""
-    return _bf16_pairs_by_ptx(_fp8_ptx(parity), words)
+def _fp8_operand(words, parity: int, dtype):
+    """Byte ``parity`` (0 low, 1 high) of uint16 words [T, n] (WGMMA layout) as the ``dtype``
+    (bf16 or float16) values of those e4m3 codes [T, n] (WGMMA layout). A register of the WGMMA
+    layout holds two adjacent columns of one row (Mosaic GPU's ``WGMMA_LAYOUT``: vectors of 2
+    along the last axis), the same ones in ``words`` and in the result, so each 32-bit register
+    of words becomes one register of pairs (``_FP8_PTX``: five instructions per pair, float16
+    two). Written in PTX because jnp's casts (byte masks, then e4m3 -> f16 -> bf16) cost more:
+    on the H200, ``mla_decode`` B=128 seq=32768 qlen=1 took 1214.9 us with them and 1070.9 us
+    with the bf16 PTX, outputs unchanged (the shared suites pass)."""
+    return _pairs_by_ptx(_fp8_ptx(parity, dtype), words, dtype=dtype)
 
 
 # E2M1 -> bf16 in bits: magnitude code m = (e1 e0 m0) as the bf16 bits m << 6 (exponent field
@@ -859,7 +984,7 @@ def _fp4_operand(words, scale, n: int):
     ``mul.rn.bf16x2`` by 2^120 and one by the scale (powers of two: exact). Eight instructions
     per register where two ``prmt`` byte tables took twelve: ``ultraquant_decode`` B=128
     seq=32768 Hk=8 G=8 went from 10171.9 to 8782.0 us on the H200 (one run, both packages)."""
-    return _bf16_pairs_by_ptx(_fp4_ptx(n % 4), words, scale, word=n // 4)
+    return _pairs_by_ptx(_fp4_ptx(n % 4), words, scale, word=n // 4)
 
 
 def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
@@ -902,6 +1027,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
     wg = jax.lax.axis_index("wg")
     stages = stages_for(fmt)
     chunk_scales = fmt.chunk_scales
+    dtype = fmt.operand_dtype
     wgmma = plgpu.Layout.WGMMA
     per_key = wgmma.reduce(1)  # one value per row of S^T (a key)
     per_row = wgmma.reduce(0)  # one value per column of S^T (a query row)
@@ -915,7 +1041,8 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
     def by_row(v, n=T):  # [m] per-row values broadcast: [n, m]
         return jax.lax.broadcast_in_dim(v, (n, m), [1])
 
-    _init_barriers(s["rec_bars"], stages, rule and (rule, lists_ref, s["work"], g, split))
+    work = rule and (rule, lists_ref, s["work"], g, split)
+    _init_barriers(s["rec_bars"], stages, work, s.get("q_max"))
     setup = [(q_ref.at[g, hb], s["q_lat"])] if fmt.fp4 else []
     if rule is None:
         setup.append((lists_ref.at[g, split], s["work"]))
@@ -966,10 +1093,14 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
 
     def consume(c: int):
         plgpu.set_max_registers(consumer_registers(), action="increase")
+        unscale = None
         if not fmt.fp4:
-            _stage_q_rows(fmt, c, q_ref.at[g], s["q_lat"], s["q_rope"], hb * m)
+            q_args = (q_ref.at[g], s["q_lat"], s["q_rope"], hb * m, s.get("q_max"))
+            unscale = _stage_q_rows(fmt, c, *q_args)
             plgpu.commit_smem()  # q visible to this warpgroup's wgmmas
         score_scale = load(s["scale"].at[pl.ds(0, m)], per_row)
+        if unscale is not None:  # q was staged times 2^e
+            score_scale = score_scale * unscale
         out_scale = load(s["scale"].at[pl.ds(DB, m)], per_row)
         if fmt.causal:
             bound = total - fmt.qlen + load(s["rowpos"].at[pl.ds(0, m)], per_row)
@@ -1038,7 +1169,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
                 for b in blocks:
                     if b % 2 == 0:  # one load of the chunk's words serves both parities
                         w = load(s["raw"].at[stage, :, pl.ds(DB * (b // 2), DB)], wgmma)
-                    k = _fp8_to_bf16(w, b % 2)
+                    k = _fp8_operand(w, b % 2, dtype)
                     s["v"][b] = jnp.where(jnp.isnan(k), 0, k) if fmt.causal else k
                     q_t = s["q_lat"].at[b].transpose((1, 0))
                     plgpu.wgmma(accs[acc_of(b)], k, q_t)
@@ -1049,7 +1180,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
                     w = load(s["raw"].at[stage, :, pl.ds(fmt.rope_word, width)], wgmma)
                     for r in range(fmt.rope_blocks):
                         if fmt.rope_fp8:
-                            k = _fp8_to_bf16(w, r)
+                            k = _fp8_operand(w, r, dtype)
                         else:
                             k = jax.lax.bitcast_convert_type(w, jnp.bfloat16)
                         q_t = s["q_rope"].at[r].transpose((1, 0))
@@ -1096,9 +1227,9 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
                 l_run = l_run * alpha + p.sum(axis=0)
             if chunk_scales:
                 for i, ch in enumerate(chunks):
-                    s["p"][ch] = (p * by_key(sc[i])).astype(jnp.bfloat16)
+                    s["p"][ch] = (p * by_key(sc[i])).astype(dtype)
             else:
-                s["p"][c] = p.astype(jnp.bfloat16)
+                s["p"][c] = p.astype(dtype)
             plgpu.commit_smem()  # P^T and V visible to wgmma
 
             def pv(acc_refs):
@@ -1166,7 +1297,7 @@ def _scratch(fmt: RowFormat, rule: SplitRule | None) -> dict:
         pv_swizzle = min(pv_swizzle, 2 * FP4_WORDS)
 
     def swizzled(shape, swizzle):
-        return plgpu.SMEM(shape, jnp.bfloat16, transforms=_swizzle_transforms(swizzle))
+        return plgpu.SMEM(shape, fmt.operand_dtype, transforms=_swizzle_transforms(swizzle))
 
     def f32(shape):
         """f32 [.., n, m] read and written in the WGMMA layout: rows of 64 bytes (m = 16) are
@@ -1197,6 +1328,8 @@ def _scratch(fmt: RowFormat, rule: SplitRule | None) -> dict:
         "setup": plgpu.Barrier(num_arrivals=_setup_copies(fmt, rule)),
         "consumed": plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
     }
+    if fmt.operand_dtype == jnp.float16:  # q's largest |bf16| bits (``q_max_ptx``)
+        scratch["q_max"] = plgpu.SMEM((4,), jnp.uint32)
     if fmt.rope_blocks:
         width = ROPE_DIM // fmt.rope_blocks
         scratch["q_rope"] = swizzled((fmt.rope_blocks, m, width), rope_swizzle(fmt))
