@@ -1,6 +1,7 @@
 """mla_decode, mla_decode_partials and merge_attn_states against the float64 oracle, every
 implementation (tests/impls.py) with its own tolerance."""
 
+import dataclasses
 import functools
 
 import jax
@@ -44,6 +45,18 @@ def test_decode(impl, qlen, as_uint8):
 @pytest.mark.parametrize("h", [1, 16, 128])
 def test_decode_heads(impl, h):
     case = C.decode_case(20 + h, seq_lens=(130, 3), qlen=2, h=h)
+    impls.check_decode(impl, case, *run(case, impl))
+
+
+@impls.each_decode
+@pytest.mark.parametrize("binades", [24, -40])
+def test_decode_q_far_outside_float16s_range(impl, binades):
+    """q times 2^24 (up to about 10^8, past float16's 65504) or 2^-40 (float16 subnormals and
+    below), with sm_scale taking the factor back so that the softmax is the usual one: the
+    Mosaic kernel's float16 operands stage q times a power of two (``q_rows_ptx``), which must
+    keep both within the bounds of bf16 q."""
+    case = C.decode_case(9, seq_lens=(70, 200), qlen=2, h=16)
+    case = dataclasses.replace(case, q=case.q * 2.0**binades, sm_scale=2.0**-binades / np.sqrt(576))
     impls.check_decode(impl, case, *run(case, impl))
 
 
