@@ -15,21 +15,24 @@ tiles of ``T`` = 64 keys. Three warpgroups:
   producer's path. This is inline PTX: Mosaic GPU's own copy primitive makes all 128 threads
   arrive on the barrier for every copy and moves only multiples of 128 bytes;
 * ``CONSUMERS`` = 2 consumers split each tile's latent dims: consumer c converts chunks 2c and
-  2c + 1 of K's fp8 codes to bf16 in registers (exact; inline PTX) and computes its part of the
-  transposed scores S^T [keys, rows] = K Q^T on wgmma (K as the A operand, Q^T from swizzled
-  SMEM; consumer 0 adds the rope); the parts are added through SMEM, in one order in every
-  consumer (the same bits in each); consumer 0 runs the per-row max and sum of the f32 online
-  softmax and hands them to the others; each accumulates O^T [dims, rows] += V^T P^T for its 256
-  dims, V being the bf16 codes it stored to swizzled SMEM. Rows are wgmma's N dimension, so 16
-  rows cost 16 columns. One consumer alone left the SM idle between dependent instructions; two
-  halve each one's registers and share the one bf16 V tile SMEM holds. Four, of one chunk each
+  2c + 1 of K's fp8 codes to bf16 (float16 for the decode) in registers (exact; inline PTX)
+  and computes its part of the transposed scores S^T [keys, rows] = K Q^T on wgmma (K as the
+  A operand, Q^T from swizzled SMEM; consumer 0 adds the rope); the parts are added through
+  SMEM, in one order in every consumer (the same bits in each); consumer 0 runs the per-row max
+  and sum of the f32 online softmax and hands them to the others; each accumulates O^T [dims,
+  rows] += V^T P^T for its 256 dims, V being the converted codes it stored to swizzled SMEM.
+  Rows are wgmma's N dimension, so 16 rows cost 16 columns. One consumer alone left the SM idle
+  between dependent instructions; two halve each one's registers and share the one V tile SMEM
+  holds. Four, of one chunk each
   (104 registers), were slower on the H200: 1.19x at ``mla_decode`` B=128 seq=32768 qlen=1,
   1.11x at ``sparse_mla`` n_q=128 H=16. Rows are wgmma's N, so 32 rows per CTA cost registers
   and SMEM (one fewer stage), not instructions: every CTA converts and multiplies each key's
   codes once for all its rows.
 
 Numerics: scales multiply partial scores and P (rounded to bf16 after that product), never K or
-V, so every product is exact and accumulation is f32.
+V, so every product is exact and accumulation is f32. The decode formats, with one scale per
+call, run float16 operands instead (``RowFormat.operand_dtype``): K's codes are exact in float16,
+q is staged times a power of two that fits its range (``q_rows_ptx``), P rounds to float16.
 
 Layout: a row's latent codes are read as uint16 words; word w holds latent dims 2w (low byte)
 and 2w + 1 (high byte), so a 64-word column block of chunk c gives the 64 even and the 64 odd
