@@ -186,8 +186,15 @@ def test_merge_gradient(impl):
     grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
     go, gl = grad(o_parts, lse, impl)
     want = grad(o_parts, lse, "xla")
-    assert np.asarray(go).tobytes() == np.asarray(want[0]).tobytes()
-    assert np.asarray(gl).tobytes() == np.asarray(want[1]).tobytes()
+    # Every implementation's merge gradient is the exact path's VJP: the same bits on the CPU.
+    # On the H200 the gfx950_emulation's lse gradient matched "xla"'s bit for bit in one run of
+    # the suite and came out 1 ulp apart at one element in another (the same code, two XLA
+    # programs whose forwards differ), so on a GPU the two agree within 2 ulp.
+    for a, b in ((go, want[0]), (gl, want[1])):
+        if jax.default_backend() == "cpu":
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+        else:
+            np.testing.assert_array_max_ulp(np.asarray(a), np.asarray(b), maxulp=2)
     assert np.all(np.isfinite(go)) and np.all(np.isfinite(gl))
     assert np.all(np.asarray(go)[0, 1] == 0) and np.all(np.asarray(go)[1] == 0)
     # the xla gradient against float64 central differences of the oracle's merge
