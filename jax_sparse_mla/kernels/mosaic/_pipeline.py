@@ -524,8 +524,8 @@ def q_max_ptx(fmt: RowFormat, c: int) -> str:
 
 
 def q_unscale_ptx() -> str:
-    """$0 = 2^-e as float32 bits, e being the q scale of ``_Q_EXPONENT_PTX`` (word at $4; $1 ..
-    $3 unused): the factor that takes the scores of the scaled q back."""
+    """$0 = 2^-e as float32 bits, e being ``_Q_EXPONENT_PTX``'s q scale from the word at $1: the
+    factor that takes the scores of the scaled q back."""
     text = _Q_EXPONENT_PTX.replace("[$4]", "[$1]")
     return "\n".join(
         [
@@ -565,6 +565,7 @@ def q_rows_ptx(fmt: RowFormat, c: int) -> str:
     the stores."""
     m = fmt.m
     half = fmt.operand_dtype == jnp.float16
+    assert fmt.rope_fp8 or not half, "a float16 format's rope is split and scaled like the latent"
     lines, latent, rope = _q_rows(fmt, c)
     if half:
         lines += _Q_EXPONENT_PTX.splitlines()
