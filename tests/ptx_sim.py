@@ -8,11 +8,13 @@ instructions the kernels use are known; any other one fails the test by name.
 
 Semantics taken from the PTX ISA: ``div.s32`` truncates toward zero; ``prmt.b32`` (default mode)
 picks byte (select >> 4i) & 7 of b:a for byte i; ``cvt.rn.f16x2.e4m3x2`` converts the low byte to
-the low half; ``cvt.rn.bf16x2.f32 d, a, b`` puts a in the high half; ``mul.wide`` multiplies 32-bit
-values into 64 bits; asynchronous copies are applied when issued (the kernels wait for them before
-any read); an mbarrier counts one pending arrival, ``cp.async.mbarrier.arrive`` (without ``.noinc``)
-adds and removes one, ``mbarrier.arrive.expect_tx`` removes one and expects bytes that
-``cp.async.bulk`` copies complete.
+the low half; ``cvt.rn.bf16x2.f32 d, a, b`` and ``cvt.rn.f16x2.f32 d, a, b`` put a in the high
+half (rounding to nearest even); ``red.shared.max`` applies when issued (lanes run in turn);
+``mul.wide`` multiplies 32-bit values into 64 bits; asynchronous copies are applied when issued
+(the kernels wait for them before any read); an mbarrier counts one pending arrival,
+``cp.async.mbarrier.arrive`` (without ``.noinc``) adds and removes one,
+``mbarrier.arrive.expect_tx`` removes one and expects bytes that ``cp.async.bulk`` copies
+complete.
 """
 
 from __future__ import annotations
@@ -229,7 +231,8 @@ def _step(line: str, regs: dict, memory: Memory | None, barriers: dict) -> None:
     elif op in ("st.shared.s32", "st.shared.u32", "st.global.b32"):
         dst, src = operands
         space = op.split(".")[1]
-        memory.write(_address(dst, regs), (regs[src] & MASK["32"]).to_bytes(4, "little"), space)
+        value = _value(src, regs) & MASK["32"]
+        memory.write(_address(dst, regs), value.to_bytes(4, "little"), space)
     elif op.startswith("ld.global.nc.v"):  # ld.global.nc.vN.b32 {d0, ..}, [a]
         *dsts, src = operands
         data = memory.read(_address(src, regs), 4 * len(dsts), "global")

@@ -60,6 +60,18 @@ def test_decode_q_far_outside_float16s_range(impl, binades):
     impls.check_decode(impl, case, *run(case, impl))
 
 
+@impls.each_decode
+def test_decode_heads_2_to_the_80_apart(impl):
+    """One request's heads at 2^40 and 2^-40 times the others: each row of q gets its own scale
+    in the Mosaic kernel's float16 staging (``q_max_ptx``), so no head's magnitude (a one-hot
+    softmax at 2^40, a flat one at 2^-40) moves another's result."""
+    case = C.decode_case(10, seq_lens=(90, 33), qlen=1, h=16)
+    factor = np.ones(16, np.float32)
+    factor[[0, 9]], factor[[3, 12]] = 2.0**40, 2.0**-40
+    case = dataclasses.replace(case, q=case.q * jnp.asarray(factor, jnp.bfloat16)[None, :, None])
+    impls.check_decode(impl, case, *run(case, impl))
+
+
 def test_default_is_the_platform_choice():
     """implementation=None (eager, default scales) runs what it picks on this machine."""
     case = C.decode_case(3, seq_lens=(9, 40), qlen=1, h=2, k_scale=1.0, v_scale=1.0)

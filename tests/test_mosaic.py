@@ -75,23 +75,28 @@ def _bf16_bits(x) -> np.ndarray:
     return (np.asarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
 
 
-def _q_scale(rows: np.ndarray) -> int:
-    """The float16 formats' q exponent, from the math: the e that puts the largest |value| of
-    ``rows`` (bf16 bits) in [2^14, 2^15), at most 64."""
-    top = np.abs((rows.astype(np.uint32) << 16).view(np.float32)).max()
-    return 64 if top == 0 else min(64, 14 - (math.frexp(float(top))[1] - 1))
+def _q_scale(rows: np.ndarray) -> np.ndarray:
+    """The float16 formats' q exponents, from the math: for each row of ``rows`` (bf16 bits) the
+    e that puts its largest |value| in [2^14, 2^15), at most 64 (-114 for NaN or infinity)."""
+    out = []
+    for top in np.abs((rows.astype(np.uint32) << 16).view(np.float32)).max(axis=1):
+        if not np.isfinite(top):
+            out.append(-114)
+        else:
+            out.append(64 if top == 0 else min(64, 14 - (math.frexp(float(top))[1] - 1)))
+    return np.array(out)
 
 
 def _stage_q(fmt, q: np.ndarray, row0: int) -> ptx_sim.Memory:
     """Both consumers' q passes run lane by lane (a float16 format's ``q_max_ptx`` first, as
     the kernel's barrier orders them) over q [heads, 576] (bf16 bits); the SMEM buffers start
-    as 0xAB bytes, the q maximum's word as 0 (``init_ptx``)."""
+    as 0xAB bytes, the rows' q maxima (m words: a row past them fails) as 0 (``init_ptx``)."""
     m = fmt.m
     mem = ptx_sim.Memory()
     operands = {"$0": mem.add("q", q.astype("<u2"), "global"), "$3": row0}
     operands["$1"] = mem.add("lat", np.full(P.LATENT_BLOCKS * m * 128, 0xAB, np.uint8), "shared")
     operands["$2"] = mem.add("rope", np.full(m * 128, 0xAB, np.uint8), "shared")
-    operands["$4"] = mem.add("q_max", np.zeros(4, np.uint32), "shared")
+    operands["$4"] = mem.add("q_max", np.zeros(m, np.uint32), "shared")
     passes = [P.q_rows_ptx]
     if fmt.operand_dtype == jnp.float16:
         passes.insert(0, P.q_max_ptx)
@@ -134,7 +139,8 @@ def test_q_rows_ptx_stages_the_operand_blocks_of_the_ctas_rows(fmt, row0):
     mine = q[row0 : row0 + m]
     rows[: len(mine)] = mine
     if half:
-        scaled = (rows.astype(np.uint32) << 16).view(np.float32) * np.float32(2.0 ** _q_scale(rows))
+        factor = (2.0 ** _q_scale(rows)).astype(np.float32)[:, None]
+        scaled = (rows.astype(np.uint32) << 16).view(np.float32) * factor
         rows = scaled.astype(np.float16).view(np.uint16)
     lat = _unswizzle(mem.array("lat", np.uint8), m)
     for c, p in itertools.product(range(P.CHUNKS), range(2)):
@@ -178,6 +184,18 @@ def test_unpermute_out_inverts_the_block_order():
         [o[:, 128 * c + p : 128 * c + 128 : 2] for c in range(P.CHUNKS) for p in range(2)], axis=1
     )
     np.testing.assert_array_equal(np.asarray(P.unpermute_out(jnp.asarray(permuted))), o)
+
+
+@pytest.mark.parametrize("words", [16, 32])
+def test_init_ptx_zeroes_the_q_maxima_of_the_ctas_rows(words):
+    """Thread 0 alone (``init_ptx`` given a buffer and ``words``, run on ``ptx_sim``) zeroes the
+    first ``words`` words of the float16 formats' q maxima (``q_max_ptx`` takes maxima into
+    them), and nothing past them."""
+    mem = ptx_sim.Memory()
+    operands = {"$0": 0, "$1": mem.add("q_max", np.full(64, 0xABABABAB, "<u4"), "shared")}
+    ptx_sim.run(P.init_ptx(0, None, "$1", words), operands, lanes=4, memory=mem)
+    got = mem.array("q_max", "<u4")
+    assert not got[:words].any() and (got[words:] == 0xABABABAB).all()
 
 
 @pytest.mark.parametrize("align", [P.T, 128])
@@ -580,28 +598,31 @@ def _run_fp4_ptx(text: str, word: int) -> list[float]:
     return ptx_sim.bf16_pair(regs["$0"])
 
 
-@pytest.mark.parametrize(
-    "maximum,e",
-    [(0.0, 64), (2.0**-60, 64), (2.0**-50, 64), (1.0, 14), (1.5, 14), (-3.0, 13), (65504.0, -1)]
-    + [(2.0**127, -113), (float("inf"), -114), (float("nan"), -114)],
-)
-def test_q_scale_puts_the_largest_q_below_float16s_limit(maximum, e):
-    """A float16 format's q exponent (``q_max_ptx``, then ``q_unscale_ptx``) for rows whose
-    largest |value| is ``maximum`` (the rest smaller or zero): 2^e from the math (e = 14 -
-    floor(log2 max), at most 64), its inverse as float32 bits, and the staged largest value
-    finite in float16."""
+def test_q_scale_is_each_rows_own_and_puts_its_largest_q_below_float16s_limit():
+    """A float16 format's q exponents (``q_max_ptx``, ``q_rows_ptx``'s scaling, the kernel's
+    ``q_unscale``) for rows whose largest |values| span 0 to 2^127, infinity and NaN: each row's
+    word holds its largest |bf16| bits, its e is the math's (e = 14 - floor(log2 max), at most
+    64), 2^-e undoes it, the row's largest value is staged as float16 times 2^e, finite, and a
+    row's scale does not depend on any other row's values."""
+    maxima = [0.0, 2.0**-60, 2.0**-50, 1.0, 1.5, -3.0, 65504.0, 2.0**127, 2.0**-100, 7.0]
+    maxima += [float("inf"), float("nan"), 2.0**20, -(2.0**-20), 0.25, 3.0]
     fmt = D.row_format(1, 16)
     q = np.zeros((16, 576), np.float32)
-    q[3, 100], q[7, 560], q[0, 0] = maximum, maximum / 4, -maximum / 3
-    mem = _stage_q(fmt, _bf16_bits(q), 0)
-    (regs,), _ = ptx_sim.run(P.q_unscale_ptx(), {"$1": mem.regions["q_max"].base}, memory=mem)
-    assert ptx_sim._f32(regs["$0"]) == np.float32(2.0**-e)
-    lat = _unswizzle(mem.array("lat", np.uint8), 16).view(np.float16)
-    staged = lat[0, 3, 50]  # dim 100 of row 3: chunk 0's even block, column 50
-    if math.isfinite(maximum):
-        exact = (_bf16_bits(maximum).astype(np.uint32) << 16).view(np.float32)
-        assert staged == np.float16(exact * np.float32(2.0**e))
-        assert abs(float(staged)) < 2.0**15
+    for r, top in enumerate(maxima):
+        q[r, 100], q[r, 560], q[r, 3] = top, top / 4, -top / 3  # dim 100: block 0, column 50
+    bits = _bf16_bits(q)
+    mem = _stage_q(fmt, bits, 0)
+    words = mem.array("q_max", np.uint32)[:16]
+    np.testing.assert_array_equal(words, (bits & 0x7FFF).max(axis=1))
+    e = _q_scale(bits)
+    np.testing.assert_array_equal(np.asarray(P.q_exponent(words)), e)
+    np.testing.assert_array_equal(np.asarray(P.q_unscale(words)), (2.0**-e).astype(np.float32))
+    staged = _unswizzle(mem.array("lat", np.uint8), 16).view(np.float16)[0, :, 50]
+    exact = (bits[:, 100].astype(np.uint32) << 16).view(np.float32)
+    for r, top in enumerate(maxima):
+        if math.isfinite(top):
+            assert staged[r] == np.float16(exact[r] * np.float32(2.0 ** e[r])), r
+            assert abs(float(staged[r])) < 2.0**15, r
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

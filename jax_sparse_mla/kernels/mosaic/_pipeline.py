@@ -443,18 +443,28 @@ def rope_swizzle(fmt: RowFormat) -> int:
     return 2 * ROPE_DIM // fmt.rope_blocks
 
 
-# A float16 format's q scale from the word at $4, the largest |q| bf16 bit pattern of the
-# CTA's rows (``q_max_ptx``): e = 141 - its exponent field E, so that max |q| * 2^e lies in
-# [2^14, 2^15) (float16's largest finite value is 65504), at most 64 (all-zero rows; below
-# 2^-50 q keeps less headroom); ``up`` = 2^e as float32 bits. E = 255 (NaN, infinity) gives
-# e = -114: 2^e and 2^-e are normal float32 for every E.
-_Q_EXPONENT_PTX = """ld.shared.u32 qe, [$4];
-shr.u32 qe, qe, 7;
+# A float16 format's q exponent for one row, from ``qe``, the largest |q| bf16 bit pattern of
+# that row (``q_max_ptx``): e = 141 - its exponent field E, so that the row's max |q| * 2^e lies
+# in [2^14, 2^15) (float16's largest finite value is 65504), at most 64 (an all-zero row; below
+# 2^-50 a row keeps less headroom); ``up`` = 2^e as float32 bits. E = 255 (NaN, infinity) gives
+# e = -114: 2^e and 2^-e are normal float32 for every E. ``q_exponent`` is the same rule in jnp.
+_Q_EXPONENT_PTX = """shr.u32 qe, qe, 7;
 mov.s32 t, 141;
 sub.s32 qe, t, qe;
 min.s32 qe, qe, 64;
 add.s32 t, qe, 127;
 shl.b32 up, t, 23;"""
+
+
+def q_exponent(bits):
+    """``_Q_EXPONENT_PTX``'s e (int32) of rows whose largest |q| bf16 bit patterns are ``bits``
+    (uint32; jnp or the kernel's arrays)."""
+    return jnp.minimum(141 - (bits >> 7).astype(jnp.int32), 64)
+
+
+def q_unscale(bits):
+    """2^-e (float32) for ``q_exponent``'s e: the factor of each row's scores."""
+    return jax.lax.bitcast_convert_type((127 - q_exponent(bits)) << 23, jnp.float32)
 
 
 def _q_rows(fmt: RowFormat, c: int) -> tuple[list[str], list[tuple], list[tuple]]:
@@ -504,40 +514,32 @@ def _q_rows(fmt: RowFormat, c: int) -> tuple[list[str], list[tuple], list[tuple]
     return lines, latent, rope
 
 
+def _q_max_word(row: str) -> list[str]:
+    """sa = the address of row ``row``'s word in $4, the rows' largest |q| (``q_max_ptx``)."""
+    return ["shl.b32 off, " + row + ", 2;", "cvt.u64.u32 sa, off;", "add.u64 sa, sa, $4;"]
+
+
 def q_max_ptx(fmt: RowFormat, c: int) -> str:
     """A float16 format's first pass over q (``RowFormat.operand_dtype``): consumer ``c`` loads
-    the rows ``q_rows_ptx`` stages and takes the largest |value| as a bf16 bit pattern (sign
-    cleared; larger bits are larger magnitudes, NaN above infinity), into the word at $4 with
-    ``red.shared.max`` (zeroed by ``init_ptx``); operands as ``q_rows_ptx``'s."""
+    the rows ``q_rows_ptx`` stages and, for each row it loaded, takes the largest |value| as a
+    bf16 bit pattern (sign cleared; larger bits are larger magnitudes, NaN above infinity) into
+    that row's word of $4 ([m] uint32, zeroed by ``init_ptx``) with ``red.shared.max``;
+    operands as ``q_rows_ptx``'s. Each row gets its own scale, so no row's values (NaN and
+    infinity included) move another's."""
     lines, latent, rope = _q_rows(fmt, c)
-    regs = [f"{name}_{i}" for name, *_ in latent + rope for i in range(4)]
-    lines.append("mov.b32 mx, 0;")
-    for x in regs:
-        lines += [f"and.b32 t, {x}, 0x7FFF7FFF;", "max.u16x2 mx, mx, t;"]
-    lines += [
-        "shr.u32 hi, mx, 16;",
-        "and.b32 lo, mx, 0xFFFF;",
-        "max.u32 mx, hi, lo;",
-        "red.shared.max.u32 [$4], mx;",
-    ]
-    return "\n".join([*lines, "}"])
-
-
-def q_unscale_ptx() -> str:
-    """$0 = 2^-e as float32 bits, e being ``_Q_EXPONENT_PTX``'s q scale from the word at $1: the
-    factor that takes the scores of the scaled q back."""
-    text = _Q_EXPONENT_PTX.replace("[$4]", "[$1]")
-    return "\n".join(
-        [
-            "{",
-            ".reg .b32 qe, t, up;",
-            text,
-            "mov.s32 t, 127;",
-            "sub.s32 t, t, qe;",
-            "shl.b32 $0, t, 23;",
-            "}",
+    for name, first, step, *_ in latent + rope:
+        lines.append("mov.b32 mx, 0;")
+        for i in range(4):
+            lines += [f"and.b32 t, {name}_{i}, 0x7FFF7FFF;", "max.u16x2 mx, mx, t;"]
+        lines += [
+            "shr.u32 hi, mx, 16;",
+            "and.b32 lo, mx, 0xFFFF;",
+            "max.u32 mx, hi, lo;",
+            f"add.u32 r, {first}, {step};",
+            *_q_max_word("r"),
+            "red.shared.max.u32 [sa], mx;",
         ]
-    )
+    return "\n".join([*lines, "}"])
 
 
 def q_rows_ptx(fmt: RowFormat, c: int) -> str:
@@ -547,9 +549,10 @@ def q_rows_ptx(fmt: RowFormat, c: int) -> str:
     Operands: $0 the group's q rows ([heads, 576] bf16), $1 ``q_lat`` ([8, m, 64],
     128-byte swizzle), $2 ``q_rope`` ([1, m, 64], likewise; fp8 rope: [2, m, 32], 64-byte
     swizzle, block p column j holding rope dim 2j + p), $3 the CTA's first row; float16 formats
-    (``RowFormat.operand_dtype``): $4 the word of ``q_max_ptx``. Rows past ``fmt.heads`` are
-    zeros. The blocks hold bf16 q, or float16 q * 2^e (``_Q_EXPONENT_PTX``: exact but for
-    values under 2^-31 of the largest, which round to float16 subnormals).
+    (``RowFormat.operand_dtype``): $4 the rows' words of ``q_max_ptx``. Rows past ``fmt.heads``
+    are zeros. The blocks hold bf16 q, or float16 q * 2^e, e a row's own
+    (``_Q_EXPONENT_PTX``: exact but for values under 2^-31 of the row's largest, which round to
+    float16 subnormals).
 
     Lane l takes 8 dims (16 bytes, four uint32 words of dims 2w, 2w + 1) of its rows
     l // 32 + 4k: dims 256c + 8 (l % 32) of the row, which are words 4 (l % 16) .. + 3 of
@@ -567,8 +570,6 @@ def q_rows_ptx(fmt: RowFormat, c: int) -> str:
     half = fmt.operand_dtype == jnp.float16
     assert fmt.rope_fp8 or not half, "a float16 format's rope is split and scaled like the latent"
     lines, latent, rope = _q_rows(fmt, c)
-    if half:
-        lines += _Q_EXPONENT_PTX.splitlines()
 
     def at_row(buffer: str, row_bytes: int, column: str) -> list[str]:
         """sa = ``buffer`` + the swizzled offset of row r, byte ``column``."""
@@ -603,7 +604,8 @@ def q_rows_ptx(fmt: RowFormat, c: int) -> str:
             f"prmt.b32 o0, {a[0]}, {a[1]}, 0x7632;",
             f"prmt.b32 o1, {a[2]}, {a[3]}, 0x7632;",
         ]
-        if half:
+        if half:  # row r's 2^e
+            lines += [*_q_max_word("r"), "ld.shared.u32 qe, [sa];", *_Q_EXPONENT_PTX.splitlines()]
             lines += [line for x in ("e0", "e1", "o0", "o1") for line in scaled(x)]
         return [
             *lines,
@@ -669,20 +671,21 @@ bar.sync 0;
 }"""
 
 
-def init_ptx(count: int, rule: SplitRule | None, zero: str | None = None) -> str:
+def init_ptx(count: int, rule: SplitRule | None, zero: str | None = None, words: int = 0) -> str:
     """Thread 0 initializes ``count`` mbarriers at $0, given ``rule`` writes the CTA's work
-    entry (``work_ptx``) and given ``zero`` (an operand) zeroes the word there; then the CTA
-    syncs."""
+    entry (``work_ptx``) and given ``zero`` (an operand) zeroes ``words`` words there; then
+    the CTA syncs."""
     inits = "\n".join(f"@lead mbarrier.init.shared::cta.b64 [$0+{8 * i}], 1;" for i in range(count))
     text = _INIT_PTX.replace("INITS", inits)
-    text = text.replace(" ZERO", f"\n@lead st.shared.u32 [{zero}], 0;" if zero else "")
+    zeros = "".join(f"\n@lead st.shared.u32 [{zero}+{4 * i}], 0;" for i in range(words))
+    text = text.replace(" ZERO", zeros if zero else "")
     return text.replace("WORK", work_ptx(rule) if rule else "")
 
 
-def _init_barriers(bars_ref, count: int, work=None, zero=None):
+def _init_barriers(bars_ref, count: int, work=None, zero=None, words: int = 0):
     """Thread 0 initializes ``count`` mbarriers (one arrival each), given ``work`` = (rule,
     indptr, work SMEM, list, split) writes the CTA's work entry (``work_ptx``) and given
-    ``zero`` (an SMEM ref) zeroes its first word; then the whole CTA syncs."""
+    ``zero`` (an SMEM ref) zeroes its first ``words`` words; then the whole CTA syncs."""
     plgpu, mgpu_utils, ir, llvm, _, _ = _mgpu()
     ref, splat = plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=())
     rule, *work_args = work or (None,)
@@ -702,7 +705,7 @@ def _init_barriers(bars_ref, count: int, work=None, zero=None):
         llvm.inline_asm(
             ir.Type.parse("!llvm.void"),
             operands,
-            init_ptx(count, rule, zero_operand),
+            init_ptx(count, rule, zero_operand, words),
             "l" + ",l,l,r,r" * bool(work) + ",l" * len(refs),
             has_side_effects=True,
         )
@@ -795,9 +798,9 @@ def _consumers_barrier():
 def _stage_q_rows(fmt: RowFormat, c: int, q_rows, q_lat, q_rope, row0, q_max):
     """Consumer ``c`` stages its part of q's rows ``q_rows`` [heads, 576] (GMEM) from row
     ``row0`` on into ``q_lat`` and ``q_rope`` (SMEM): ``q_rows_ptx``. float16 formats first
-    take the largest |q| of the CTA's rows into ``q_max`` (SMEM, ``q_max_ptx``; every
-    consumer meets after it) and return the float32 factor 2^-e of the scores
-    (``q_unscale_ptx``); bf16 formats (``q_max`` None) return None."""
+    take each row's largest |q| into ``q_max`` ([64] uint32 SMEM, ``q_max_ptx``; every consumer
+    meets after it), from which the caller takes the scores' factors (``q_unscale``); bf16
+    formats pass ``q_max`` None."""
     plgpu, mgpu_utils, ir, llvm, _, _ = _mgpu()
     splat = plgpu.Layout.WG_SPLAT(shape=())
     lat, rope = (plgpu.RefType(transforms=_swizzle_transforms(x)) for x in (128, rope_swizzle(fmt)))
@@ -819,25 +822,10 @@ def _stage_q_rows(fmt: RowFormat, c: int, q_rows, q_lat, q_rope, row0, q_max):
 
         run(q_rows, q_lat, q_rope, row0, *refs)
 
-    if q_max is None:
-        asm(q_rows_ptx(fmt, c))
-        return None
-    asm(q_max_ptx(fmt, c))
-    _consumers_barrier()  # every consumer's maximum is in q_max
+    if q_max is not None:
+        asm(q_max_ptx(fmt, c))
+        _consumers_barrier()  # every consumer's maxima are in q_max
     asm(q_rows_ptx(fmt, c))
-    from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
-
-    @plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(),),
-        return_type=plgpu.ShapeDtypeStruct((), jnp.float32, splat),
-    )
-    def unscale(ctx, q_max):
-        del ctx
-        f32 = ir.F32Type.get()
-        value = llvm.inline_asm(f32, [mgpu_utils.memref_ptr(q_max)], q_unscale_ptx(), "=f,l")
-        return mgpu.FragmentedArray.splat(value, ())
-
-    return unscale(q_max)
 
 
 def _store_out_rows(fmt: RowFormat, chunk: int, even, odd, out_rows, row0):
@@ -1046,7 +1034,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
         return jax.lax.broadcast_in_dim(v, (n, m), [1])
 
     work = rule and (rule, lists_ref, s["work"], g, split)
-    _init_barriers(s["rec_bars"], stages, work, s.get("q_max"))
+    _init_barriers(s["rec_bars"], stages, work, s.get("q_max"), m)
     setup = [(q_ref.at[g, hb], s["q_lat"])] if fmt.fp4 else []
     if rule is None:
         setup.append((lists_ref.at[g, split], s["work"]))
@@ -1097,14 +1085,13 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
 
     def consume(c: int):
         plgpu.set_max_registers(consumer_registers(), action="increase")
-        unscale = None
         if not fmt.fp4:
             q_args = (q_ref.at[g], s["q_lat"], s["q_rope"], hb * m, s.get("q_max"))
-            unscale = _stage_q_rows(fmt, c, *q_args)
+            _stage_q_rows(fmt, c, *q_args)
             plgpu.commit_smem()  # q visible to this warpgroup's wgmmas
         score_scale = load(s["scale"].at[pl.ds(0, m)], per_row)
-        if unscale is not None:  # q was staged times 2^e
-            score_scale = score_scale * unscale
+        if "q_max" in s:  # each row of q was staged times its 2^e
+            score_scale = score_scale * q_unscale(load(s["q_max"].at[pl.ds(0, m)], per_row))
         out_scale = load(s["scale"].at[pl.ds(DB, m)], per_row)
         if fmt.causal:
             bound = total - fmt.qlen + load(s["rowpos"].at[pl.ds(0, m)], per_row)
@@ -1333,7 +1320,7 @@ def _scratch(fmt: RowFormat, rule: SplitRule | None) -> dict:
         "consumed": plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
     }
     if fmt.operand_dtype == jnp.float16:  # q's largest |bf16| bits (``q_max_ptx``)
-        scratch["q_max"] = plgpu.SMEM((4,), jnp.uint32)
+        scratch["q_max"] = plgpu.SMEM((64,), jnp.uint32)
     if fmt.rope_blocks:
         width = ROPE_DIM // fmt.rope_blocks
         scratch["q_rope"] = swizzled((fmt.rope_blocks, m, width), rope_swizzle(fmt))
