@@ -70,16 +70,11 @@ def _unswizzle(buf: np.ndarray, rows: int, row_bytes: int = 128) -> np.ndarray:
     return logical.view("<u2").reshape(-1, rows, row_bytes // 2)
 
 
-def _bf16_bits(x) -> np.ndarray:
-    """float32 values -> their bf16 bit patterns (truncated: the test's values are exact)."""
-    return (np.asarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
-
-
 def _q_scale(rows: np.ndarray) -> np.ndarray:
     """The float16 formats' q exponents, from the math: for each row of ``rows`` (bf16 bits) the
     e that puts its largest |value| in [2^14, 2^15), at most 64 (-114 for NaN or infinity)."""
     out = []
-    for top in np.abs((rows.astype(np.uint32) << 16).view(np.float32)).max(axis=1):
+    for top in np.abs(O.bf16_bits_to_f64(rows)).max(axis=1):
         if not np.isfinite(top):
             out.append(-114)
         else:
@@ -131,7 +126,7 @@ def test_q_rows_ptx_stages_the_operand_blocks_of_the_ctas_rows(fmt, row0):
     half = fmt.operand_dtype == jnp.float16
     if half:
         values = rng.normal(size=(heads, 576)) * 2.0 ** rng.integers(-40, 20, (heads, 576))
-        q = _bf16_bits(values)
+        q = O.f32_to_bf16_bits(values)
     else:
         q = rng.integers(0, 2**16, (heads, 576), np.uint16)
     mem = _stage_q(fmt, q, row0)
@@ -140,7 +135,7 @@ def test_q_rows_ptx_stages_the_operand_blocks_of_the_ctas_rows(fmt, row0):
     rows[: len(mine)] = mine
     if half:
         factor = (2.0 ** _q_scale(rows)).astype(np.float32)[:, None]
-        scaled = (rows.astype(np.uint32) << 16).view(np.float32) * factor
+        scaled = O.bf16_bits_to_f64(rows).astype(np.float32) * factor
         rows = scaled.astype(np.float16).view(np.uint16)
     lat = _unswizzle(mem.array("lat", np.uint8), m)
     for c, p in itertools.product(range(P.CHUNKS), range(2)):
@@ -169,7 +164,7 @@ def test_out_rows_ptx_interleaves_each_chunks_even_and_odd_dims_into_bf16_rows()
             pairs = [even[j, r], even[j, r + 1], odd[j, r], odd[j, r + 1]]
             values = {f"${4 + i}": float(v) for i, v in enumerate(pairs)}
             ptx_sim.run(text, {"$0": out, "$1": j, "$2": r, "$3": row0, **values}, memory=mem)
-    got = (mem.array("out", "<u2", (heads, 512)).astype(np.uint32) << 16).view(np.float32)
+    got = O.bf16_bits_to_f64(mem.array("out", "<u2", (heads, 512)))
     mine = heads - row0
     np.testing.assert_array_equal(got[row0:, 128 * chunk : 128 * chunk + 128 : 2], even.T[:mine])
     np.testing.assert_array_equal(got[row0:, 128 * chunk + 1 : 128 * chunk + 128 : 2], odd.T[:mine])
@@ -610,7 +605,7 @@ def test_q_scale_is_each_rows_own_and_puts_its_largest_q_below_float16s_limit():
     q = np.zeros((16, 576), np.float32)
     for r, top in enumerate(maxima):
         q[r, 100], q[r, 560], q[r, 3] = top, top / 4, -top / 3  # dim 100: block 0, column 50
-    bits = _bf16_bits(q)
+    bits = O.f32_to_bf16_bits(q)
     mem = _stage_q(fmt, bits, 0)
     words = mem.array("q_max", np.uint32)[:16]
     np.testing.assert_array_equal(words, (bits & 0x7FFF).max(axis=1))
@@ -618,7 +613,7 @@ def test_q_scale_is_each_rows_own_and_puts_its_largest_q_below_float16s_limit():
     np.testing.assert_array_equal(np.asarray(P.q_exponent(words)), e)
     np.testing.assert_array_equal(np.asarray(P.q_unscale(words)), (2.0**-e).astype(np.float32))
     staged = _unswizzle(mem.array("lat", np.uint8), 16).view(np.float16)[0, :, 50]
-    exact = (bits[:, 100].astype(np.uint32) << 16).view(np.float32)
+    exact = O.bf16_bits_to_f64(bits[:, 100]).astype(np.float32)
     for r, top in enumerate(maxima):
         if math.isfinite(top):
             assert staged[r] == np.float16(exact[r] * np.float32(2.0 ** e[r])), r

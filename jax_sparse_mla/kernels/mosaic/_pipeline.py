@@ -689,7 +689,7 @@ def _init_barriers(bars_ref, count: int, work=None, zero=None, words: int = 0):
     plgpu, mgpu_utils, ir, llvm, _, _ = _mgpu()
     ref, splat = plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=())
     rule, *work_args = work or (None,)
-    refs = [x for x in (zero,) if x is not None]
+    refs = [] if zero is None else [zero]
     arg_types = (ref,) + (ref, ref, splat, splat) * bool(work) + (ref,) * len(refs)
     zero_operand = f"${1 + 4 * bool(work)}" if refs else None
 
@@ -804,7 +804,7 @@ def _stage_q_rows(fmt: RowFormat, c: int, q_rows, q_lat, q_rope, row0, q_max):
     plgpu, mgpu_utils, ir, llvm, _, _ = _mgpu()
     splat = plgpu.Layout.WG_SPLAT(shape=())
     lat, rope = (plgpu.RefType(transforms=_swizzle_transforms(x)) for x in (128, rope_swizzle(fmt)))
-    refs = [x for x in (q_max,) if x is not None]
+    refs = [] if q_max is None else [q_max]
     arg_types = (plgpu.RefType(), lat, rope, splat) + (plgpu.RefType(),) * len(refs)
 
     def asm(ptx: str):
