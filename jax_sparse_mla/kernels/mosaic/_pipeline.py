@@ -20,7 +20,8 @@ tiles of ``T`` = 64 keys. Three warpgroups:
   A operand, Q^T from swizzled SMEM; consumer 0 adds the rope); the parts are added through
   SMEM, in one order in every consumer (the same bits in each); consumer 0 runs the per-row max
   and sum of the f32 online softmax and hands them to the others; each accumulates O^T [dims,
-  rows] += V^T P^T for its 256 dims, V being the converted codes it stored to swizzled SMEM.
+  rows] += V^T P^T for its 256 dims, V being the converted codes it stored to swizzled SMEM,
+  on wgmmas that run on into the next tile (``_kernel``).
   Rows are wgmma's N dimension, so 16 rows cost 16 columns. One consumer alone left the SM idle
   between dependent instructions; two halve each one's registers and share the one V tile SMEM
   holds. Four, of one chunk each
@@ -1006,6 +1007,15 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
     rows (twice the accumulators) ptxas spilled 156 bytes (332 causal) per thread with all of a
     consumer's K blocks in flight, so each waits for the one before it: 8 (168) bytes, and
     1.10x (1.05x causal) faster on the H200. At 16 rows nothing spills and the wgmmas queue.
+
+    Overlap: a tile's P @ V wgmmas run on into the next tile (the O^T accumulators live across
+    the loop): through its barrier wait and index loads and the first K block's load and
+    conversion, up to the first store to ``v``, which waits for them. On the H200 (jax 0.11.2)
+    this took ``mla_decode`` B=128 seq=32768 from 999.7 to 966.3 us at qlen=1 and from 1752.6
+    to 1706.5 at qlen=2, ``sparse_mla`` n_q=128 H=128 from 458.7 to 428.9 us. Holding every K
+    block until its scores' wgmmas were issued, to overlap more, made ptxas serialize the
+    wgmmas (its C7514 note) and the 16-row decode 1.23x slower; so did UltraQuant's wait placed
+    after its K wgmmas, so UltraQuant waits before them (8679 against 8707 us before).
     """
     plgpu = _mgpu()[0]
     m = fmt.m
@@ -1123,6 +1133,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             (16-byte aligned) columns ran. Mosaic GPU refuses uint32 loads with bank conflicts,
             hence the 288-byte pitch (``ultraquant.PITCH``)."""
             group = by_cols(plgpu.layout_cast(jax.lax.iota(jnp.int32, FP4_WORDS), per_row)) // 4
+            plgpu.wgmma_wait(0)  # the last tile's P @ V has read ``v``
 
             def slice_of(first_word, scale_word):
                 """Words [T, FP4_WORDS] and their groups' scales [T, FP4_WORDS] bf16."""
@@ -1161,6 +1172,8 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
                     if b % 2 == 0:  # one load of the chunk's words serves both parities
                         w = load(s["raw"].at[stage, :, pl.ds(DB * (b // 2), DB)], wgmma)
                     k = _fp8_operand(w, b % 2, dtype)
+                    if b == blocks[0]:  # the last tile's P @ V ran on until here: ``v`` is read
+                        plgpu.wgmma_wait(0)
                     s["v"][b] = jnp.where(jnp.isnan(k), 0, k) if fmt.causal else k
                     q_t = s["q_lat"].at[b].transpose((1, 0))
                     plgpu.wgmma(accs[acc_of(b)], k, q_t)
@@ -1181,8 +1194,8 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             width = Q_PIECES * m if fmt.fp4 else m
             return pl.run_scoped(run, [plgpu.ACC((T, width), jnp.float32)] * n_acc)
 
-        def tile(t, carry):
-            m_run, l_run, accs = carry
+        def tile(t, carry, acc_refs):
+            m_run, l_run = carry
             stage = jax.lax.rem(t, stages)
             _wait(s["rec_bars"].at[pl.ds(stage, 1)], jax.lax.rem(t // stages, 2))
             ids = load(s["ids"].at[stage], per_key)
@@ -1222,19 +1235,21 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             else:
                 s["p"][c] = p.astype(dtype)
             plgpu.commit_smem()  # P^T and V visible to wgmma
+            for i, b in enumerate(blocks):  # P @ V runs on into the next tile (``scores``)
+                acc = acc_refs[i]  # complete: ``scores`` waited for every wgmma
+                acc[...] = plgpu.wgmma_accumulator_load(acc, wait_n=None) * by_row(alpha, DB)
+                v_t = s["v"].at[b].transpose((1, 0))
+                plgpu.wgmma(acc, v_t, s["p"].at[p_block(b)])
+            return m_new, l_run
 
-            def pv(acc_refs):
-                for i, b in enumerate(blocks):
-                    v_t = s["v"].at[b].transpose((1, 0))
-                    plgpu.wgmma(acc_refs[i], v_t, s["p"].at[p_block(b)])
+        def all_tiles(acc_refs):
+            m0 = plgpu.layout_cast(jnp.full((m,), -jnp.inf, jnp.float32), per_row)
+            l0 = plgpu.layout_cast(jnp.full((m,), 0.0, jnp.float32), per_row)
+            step = functools.partial(tile, acc_refs=acc_refs)
+            m_run, l_run = jax.lax.fori_loop(0, count, step, (m0, l0))
+            return m_run, l_run, [a[...] for a in acc_refs]
 
-            accs = pl.run_state(pv)(tuple(plgpu.ACC.init(a * by_row(alpha, DB)) for a in accs))
-            return m_new, l_run, list(accs)
-
-        m0 = plgpu.layout_cast(jnp.full((m,), -jnp.inf, jnp.float32), per_row)
-        l0 = plgpu.layout_cast(jnp.full((m,), 0.0, jnp.float32), per_row)
-        zero_acc = plgpu.layout_cast(jnp.zeros((DB, m), jnp.float32), wgmma)
-        m_run, l_run, accs = jax.lax.fori_loop(0, count, tile, (m0, l0, [zero_acc] * own))
+        m_run, l_run, accs = pl.run_scoped(all_tiles, [plgpu.ACC((DB, m), jnp.float32)] * own)
         if c == 0:
             s["ml"][pl.ds(DB, m)] = l_run
         _consumers_barrier()  # consumer 0's softmax sum is in SMEM
