@@ -1014,8 +1014,8 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
     this took ``mla_decode`` B=128 seq=32768 from 999.7 to 966.3 us at qlen=1 and from 1752.6
     to 1706.5 at qlen=2, ``sparse_mla`` n_q=128 H=128 from 458.7 to 428.9 us. Holding every K
     block until its scores' wgmmas were issued, to overlap more, made ptxas serialize the
-    wgmmas (its C7514 note) and the 16-row decode 1.23x slower; so did UltraQuant's wait placed
-    after its K wgmmas, so UltraQuant waits before them (8679 against 8707 us before).
+    wgmmas (its C7514 note) and the 16-row decode 1.23x slower. UltraQuant's wait placed after
+    its K wgmmas drew the same note (its time unchanged), so UltraQuant waits before them.
     """
     plgpu = _mgpu()[0]
     m = fmt.m
