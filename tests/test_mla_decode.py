@@ -44,8 +44,8 @@ def test_decode(impl, qlen, as_uint8):
 @impls.each_decode
 @pytest.mark.parametrize("qlen,h", [(2, 1), (2, 16), (2, 128), (1, 48), (1, 128)])
 def test_decode_heads(impl, qlen, h):
-    """Rows in one CTA, in several (causal), and over a cluster of CTAs that share the cache
-    rows' conversion (qlen 1: 48 heads take two, 128 four)."""
+    """A request's rows in one Mosaic CTA or in several that walk the same keys, causal
+    (qlen 2) or not (qlen 1: 48 heads take two CTAs, 128 four)."""
     case = C.decode_case(20 + h, seq_lens=(130, 3), qlen=qlen, h=h)
     impls.check_decode(impl, case, *run(case, impl))
 

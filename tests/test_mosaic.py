@@ -137,10 +137,7 @@ def test_q_rows_ptx_stages_the_operand_blocks_of_the_ctas_rows(fmt, row0):
         factor = (2.0 ** _q_scale(rows)).astype(np.float32)[:, None]
         scaled = O.bf16_bits_to_f64(rows).astype(np.float32) * factor
         rows = scaled.astype(np.float16).view(np.uint16)
-    lat = _unswizzle(mem.array("lat", np.uint8), m, fmt.q_swizzle)
-    if fmt.q_swizzle == 64:  # tiled (8, 32): [block, row tile, column tile, 8, 32]
-        lat = lat.reshape(P.LATENT_BLOCKS, m // 8, 2, 8, 32).transpose(0, 1, 3, 2, 4)
-        lat = lat.reshape(P.LATENT_BLOCKS, m, 64)
+    lat = _unswizzle(mem.array("lat", np.uint8), m)
     for c, p in itertools.product(range(P.CHUNKS), range(2)):
         np.testing.assert_array_equal(lat[2 * c + p], rows[:, 128 * c + p : 128 * c + 128 : 2])
     rope = _unswizzle(mem.array("rope", np.uint8), m, P.rope_swizzle(fmt))
@@ -191,7 +188,7 @@ def test_init_ptx_zeroes_the_q_maxima_of_the_ctas_rows(words):
     them), and nothing past them."""
     mem = ptx_sim.Memory()
     operands = {"$0": 0, "$1": mem.add("q_max", np.full(64, 0xABABABAB, "<u4"), "shared")}
-    ptx_sim.run(P.init_ptx((), None, "$1", words), operands, lanes=4, memory=mem)
+    ptx_sim.run(P.init_ptx(0, None, "$1", words), operands, lanes=4, memory=mem)
     got = mem.array("q_max", "<u4")
     assert not got[:words].any() and (got[words:] == 0xABABABAB).all()
 
@@ -208,7 +205,7 @@ def test_work_ptx_covers_each_list_once_in_aligned_splits(splits, align):
     nnz = 1000
     indptr = np.array([0, 0, 130, 129, 700, 2000, 900, -5], np.int32)
     lists = len(indptr) - 1
-    text = P.init_ptx((), P.SplitRule(nnz, splits, align))
+    text = P.init_ptx(0, P.SplitRule(nnz, splits, align))
     work = np.zeros((lists, splits, 4), np.int32)
     for g, s in itertools.product(range(lists), range(splits)):
         mem = ptx_sim.Memory()

@@ -33,17 +33,17 @@ def check(impl, case, out, lse, what="sparse_mla"):
 @impls.each_sparse
 @pytest.mark.parametrize("h", [1, 12, 16, 40, 128])
 def test_heads(impl, h):
-    """Heads in one CTA (up to 32) and over a cluster of CTAs that share the records'
-    conversion (40: two, the second with 8 rows; 128: four)."""
+    """Heads in one Mosaic CTA (up to 32) and over several that walk the same keys (40: two,
+    the second with 8 rows; 128: four)."""
     case = C.sparse_case(10 + h, n_q=5 if h < 128 else 3, h=h)
     check(impl, case, *run(case, impl))
 
 
 @impls.each_sparse
 @pytest.mark.parametrize("h", [40, 128])
-def test_long_lists_over_a_cluster(impl, h):
-    """Key lists of up to 40 tiles of 64 at 40 and 128 heads, where the Mosaic kernel's CTAs of
-    one row exchange every tile's converted records (both phases of their barriers, often)."""
+def test_long_lists_at_many_heads(impl, h):
+    """Key lists of up to 40 tiles of 64 at 40 and 128 heads: several Mosaic CTAs per query
+    row, each walking every tile through its ring of record stages many times over."""
     case = C.sparse_case(30 + h, n_q=3, h=h, n_rec=3000, min_len=100, max_len=2600)
     check(impl, case, *run(case, impl))
 

@@ -138,21 +138,6 @@ class RowFormat(NamedTuple):
         return -(-self.heads // self.m)
 
     @property
-    def cluster(self) -> int:
-        """CTAs of a cluster that share each tile's conversion (``_kernel``'s shared path): a
-        non-causal latent group's row blocks where they are 2 or 4 (33 to 64 rows, or 97 to
-        128), else 1. Each CTA converts 1 / ``cluster`` of the tile's latent blocks and sends
-        them to the others; all score K from SMEM."""
-        shares = self.blocks in (2, 4) and not self.fp4 and not self.causal
-        return self.blocks if shares else 1
-
-    @property
-    def q_swizzle(self) -> int:
-        """Bytes per swizzled row of q's latent operand blocks: wgmma takes one swizzle for A
-        and B, so where K is scored from ``v`` (``cluster`` > 1) q takes V's 64 (32 rows)."""
-        return 64 if self.cluster > 1 else 128
-
-    @property
     def rope_blocks(self) -> int:
         """Rope operand blocks: two parity blocks of 32 dims (fp8), one of 64 (bf16), none."""
         return 0 if self.fp4 else 2 if self.rope_fp8 else 1
@@ -496,7 +481,6 @@ def _q_rows(fmt: RowFormat, c: int) -> tuple[list[str], list[tuple], list[tuple]
         ".reg .pred " + ", ".join(f"p{name}" for name, *_ in pieces) + ";",
         ".reg .b32 " + ", ".join(f"{name}_{i}" for name, *_ in pieces for i in range(4)) + ";",
         ".reg .b32 lane, u, v, rb, rr, ub, r, row, off, sw, e0, e1, o0, o1;",
-        *[".reg .b32 cb, rt;"] * (fmt.q_swizzle == 64),
         *[".reg .b32 qe, t, up, lo, hi, mx;"] * (fmt.operand_dtype == jnp.float16),
         ".reg .b64 gu, gv, ga, sa;",
         "mov.u32 lane, %tid.x;",
@@ -564,8 +548,7 @@ def q_rows_ptx(fmt: RowFormat, c: int) -> str:
     global memory into SMEM operand blocks (block 2c + p, column j: latent dim 128c + 2j + p,
     the order of a cache row's uint16 words), swizzled as the kernel's SMEM buffers are.
     Operands: $0 the group's q rows ([heads, 576] bf16), $1 ``q_lat`` ([8, m, 64],
-    ``fmt.q_swizzle``: 128-byte rows, or 64-byte rows tiled (8, 32)), $2 ``q_rope`` ([1, m,
-    64], 128-byte swizzle; fp8 rope: [2, m, 32], 64-byte
+    128-byte swizzle), $2 ``q_rope`` ([1, m, 64], likewise; fp8 rope: [2, m, 32], 64-byte
     swizzle, block p column j holding rope dim 2j + p), $3 the CTA's first row; float16 formats
     (``RowFormat.operand_dtype``): $4 the rows' words of ``q_max_ptx``. Rows past ``fmt.heads``
     are zeros. The blocks hold bf16 q, or float16 q * 2^e, e a row's own
@@ -602,29 +585,6 @@ def q_rows_ptx(fmt: RowFormat, c: int) -> str:
             f"add.u64 sa, sa, {buffer};",
         ]
 
-    def at_tiled_row(buffer: str, column: str) -> list[str]:
-        """``at_row`` for blocks [m, 64] tiled (8, 32) with the 64-byte swizzle (``q_swizzle``):
-        ``column`` is a block's start plus a byte of its 128-byte logical row, which lies at
-        (r // 8) * 1024 + (byte // 64) * 512 + (r % 8) * 64 + byte % 64 in the block."""
-        return [
-            f"and.b32 cb, {column}, 127;",
-            f"and.b32 off, {column}, 0xFFFFFF80;",
-            "shr.u32 rt, r, 3;",
-            "mad.lo.s32 off, rt, 1024, off;",
-            "shr.u32 rt, cb, 6;",
-            "mad.lo.s32 off, rt, 512, off;",
-            "and.b32 rt, r, 7;",
-            "mad.lo.s32 off, rt, 64, off;",
-            "and.b32 cb, cb, 63;",
-            "add.u32 off, off, cb;",
-            "shr.u32 sw, off, 7;",
-            "and.b32 sw, sw, 3;",
-            "shl.b32 sw, sw, 4;",
-            "xor.b32 off, off, sw;",
-            "cvt.u64.u32 sa, off;",
-            f"add.u64 sa, sa, {buffer};",
-        ]
-
     def scaled(x: str) -> list[str]:
         """bf16 pair ``x`` -> the float16 pair of its values times 2^e (``up``)."""
         return [
@@ -648,10 +608,9 @@ def q_rows_ptx(fmt: RowFormat, c: int) -> str:
         if half:  # row r's 2^e
             lines += [*_q_max_word("r"), "ld.shared.u32 qe, [sa];", *_Q_EXPONENT_PTX.splitlines()]
             lines += [line for x in ("e0", "e1", "o0", "o1") for line in scaled(x)]
-        tiled = buffer == "$1" and fmt.q_swizzle == 64
         return [
             *lines,
-            *(at_tiled_row(buffer, column) if tiled else at_row(buffer, row_bytes, column)),
+            *at_row(buffer, row_bytes, column),
             "st.shared.v2.b32 [sa], {e0, e1};",
             f"st.shared.v2.b32 [sa+{odd}], {{o0, o1}};",
         ]
@@ -709,39 +668,25 @@ setp.eq.u32 lead, tid, 0;
 INITS
 WORK ZERO
 fence.mbarrier_init.release.cluster;
-bar.sync 0;CLUSTER
+bar.sync 0;
 }"""
-_CLUSTER_SYNC_PTX = "barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;"
 
 
-def init_ptx(
-    counts: tuple[int, ...],
-    rule: SplitRule | None,
-    zero: str | None = None,
-    words: int = 0,
-    cluster: bool = False,
-) -> str:
-    """Thread 0 initializes mbarriers at $0, barrier i expecting ``counts[i]`` arrivals, given
-    ``rule`` writes the CTA's work entry (``work_ptx``) and given ``zero`` (an operand) zeroes
-    ``words`` words there; then the CTA syncs, and given ``cluster`` the whole cluster (no CTA
-    touches a peer's barriers before they are initialized)."""
-    inits = "\n".join(
-        f"@lead mbarrier.init.shared::cta.b64 [$0+{8 * i}], {n};" for i, n in enumerate(counts)
-    )
+def init_ptx(count: int, rule: SplitRule | None, zero: str | None = None, words: int = 0) -> str:
+    """Thread 0 initializes ``count`` mbarriers at $0, given ``rule`` writes the CTA's work
+    entry (``work_ptx``) and given ``zero`` (an operand) zeroes ``words`` words there; then
+    the CTA syncs."""
+    inits = "\n".join(f"@lead mbarrier.init.shared::cta.b64 [$0+{8 * i}], 1;" for i in range(count))
     text = _INIT_PTX.replace("INITS", inits)
-    text = text.replace("CLUSTER", "\n" + _CLUSTER_SYNC_PTX if cluster else "")
     zeros = "".join(f"\n@lead st.shared.u32 [{zero}+{4 * i}], 0;" for i in range(words))
     text = text.replace(" ZERO", zeros if zero else "")
     return text.replace("WORK", work_ptx(rule) if rule else "")
 
 
-def _init_barriers(
-    bars_ref, counts: tuple[int, ...], work=None, zero=None, words: int = 0, cluster=False
-):
-    """Thread 0 initializes mbarriers (``counts[i]`` arrivals for barrier i), given ``work`` =
-    (rule, indptr, work SMEM, list, split) writes the CTA's work entry (``work_ptx``) and given
-    ``zero`` (an SMEM ref) zeroes its first ``words`` words; then the whole CTA syncs (given
-    ``cluster``, the whole cluster)."""
+def _init_barriers(bars_ref, count: int, work=None, zero=None, words: int = 0):
+    """Thread 0 initializes ``count`` mbarriers (one arrival each), given ``work`` = (rule,
+    indptr, work SMEM, list, split) writes the CTA's work entry (``work_ptx``) and given
+    ``zero`` (an SMEM ref) zeroes its first ``words`` words; then the whole CTA syncs."""
     plgpu, mgpu_utils, ir, llvm, _, _ = _mgpu()
     ref, splat = plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=())
     rule, *work_args = work or (None,)
@@ -761,7 +706,7 @@ def _init_barriers(
         llvm.inline_asm(
             ir.Type.parse("!llvm.void"),
             operands,
-            init_ptx(counts, rule, zero_operand, words, cluster),
+            init_ptx(count, rule, zero_operand, words),
             "l" + ",l,l,r,r" * bool(work) + ",l" * len(refs),
             has_side_effects=True,
         )
@@ -851,80 +796,6 @@ def _consumers_barrier():
     sync()
 
 
-_LEAD_PTX = """.reg .pred lead;
-.reg .b32 lane;
-mov.u32 lane, %tid.x;
-and.b32 lane, lane, 127;
-setp.eq.u32 lead, lane, 0;"""
-
-
-def arrive_all_ptx(cluster: int) -> str:
-    """Thread 0 of the warpgroup arrives (a release at cluster scope) on mbarrier $0 of every
-    CTA of the cluster, its own included (``mapa`` names a peer's copy of an SMEM address)."""
-    lines = ["{", _LEAD_PTX, ".reg .b64 bar;"]
-    for rank in range(cluster):
-        lines += [
-            f"mapa.shared::cluster.u64 bar, $0, {rank};",
-            "@lead mbarrier.arrive.release.cluster.shared::cluster.b64 _, [bar];",
-        ]
-    return "\n".join([*lines, "}"])
-
-
-def send_ptx(cluster: int, nbytes: int, expect: int) -> str:
-    """Thread 0 of the warpgroup copies ``nbytes`` of SMEM from $0 + $2 to the same place in
-    every other CTA of the cluster (``cp.async.bulk`` between CTAs, completing on that CTA's
-    copy of mbarrier $1), then arrives on its own $1, arming it with ``expect`` bytes to come
-    from the others (none: a plain arrival)."""
-    lines = ["{", _LEAD_PTX, ".reg .b32 me, peer;", ".reg .b64 src, dst, bar, st;"]
-    lines += ["mov.u32 me, %cluster_ctarank;", "cvt.u64.u32 src, $2;", "add.u64 src, src, $0;"]
-    for k in range(1, cluster):
-        lines += [
-            f"add.u32 peer, me, {k};",
-            f"rem.u32 peer, peer, {cluster};",
-            "mapa.shared::cluster.u64 dst, src, peer;",
-            "mapa.shared::cluster.u64 bar, $1, peer;",
-            "@lead cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes"
-            f" [dst], [src], {nbytes}, [bar];",
-        ]
-    if expect:
-        arm = f"@lead mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 st, [$1], {expect};"
-        lines.append(arm)
-    else:
-        lines.append("@lead mbarrier.arrive.release.cta.shared::cta.b64 st, [$1];")
-    return "\n".join([*lines, "}"])
-
-
-# Every thread of the warpgroup waits for phase $1 of mbarrier $0, acquiring at cluster scope
-# what the arrivals of other CTAs released.
-_CLUSTER_WAIT_PTX = """{
-.reg .pred done;
-WAIT_${:uid}:
-mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [$0], $1;
-@!done bra WAIT_${:uid};
-}"""
-
-
-def _asm(text: str, refs=(), scalars=(), swizzles=()):
-    """Inline PTX ``text`` over SMEM ``refs`` ($0 ..) and int32 ``scalars`` (after them); the
-    first refs are operand buffers of ``swizzles`` (``_swizzle_transforms``), the rest plain."""
-    plgpu, mgpu_utils, ir, llvm, _, _ = _mgpu()
-    ref_types = [plgpu.RefType(transforms=_swizzle_transforms(x)) for x in swizzles]
-    ref_types += [plgpu.RefType()] * (len(refs) - len(swizzles))
-    arg_types = (*ref_types, *(plgpu.Layout.WG_SPLAT(shape=()),) * len(scalars))
-
-    @plgpu.inline_mgpu(arg_types=arg_types)
-    def asm(ctx, *args):
-        del ctx
-        operands = [mgpu_utils.memref_ptr(r) for r in args[: len(refs)]]
-        operands += [x.registers.item() for x in args[len(refs) :]]
-        constraints = ",".join(["l"] * len(refs) + ["r"] * len(scalars))
-        llvm.inline_asm(
-            ir.Type.parse("!llvm.void"), operands, text, constraints, has_side_effects=True
-        )
-
-    asm(*refs, *scalars)
-
-
 def _stage_q_rows(fmt: RowFormat, c: int, q_rows, q_lat, q_rope, row0, q_max):
     """Consumer ``c`` stages its part of q's rows ``q_rows`` [heads, 576] (GMEM) from row
     ``row0`` on into ``q_lat`` and ``q_rope`` (SMEM): ``q_rows_ptx``. float16 formats first
@@ -933,8 +804,7 @@ def _stage_q_rows(fmt: RowFormat, c: int, q_rows, q_lat, q_rope, row0, q_max):
     formats pass ``q_max`` None."""
     plgpu, mgpu_utils, ir, llvm, _, _ = _mgpu()
     splat = plgpu.Layout.WG_SPLAT(shape=())
-    swizzles = (fmt.q_swizzle, rope_swizzle(fmt))
-    lat, rope = (plgpu.RefType(transforms=_swizzle_transforms(x)) for x in swizzles)
+    lat, rope = (plgpu.RefType(transforms=_swizzle_transforms(x)) for x in (128, rope_swizzle(fmt)))
     refs = [] if q_max is None else [q_max]
     arg_types = (plgpu.RefType(), lat, rope, splat) + (plgpu.RefType(),) * len(refs)
 
@@ -1153,12 +1023,8 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
     s = smem
     hbs = lse_ref.shape[2]  # row blocks per group: ``attention`` sized the grid by them
     out_rows = len(o_ref.shape) == 3  # finished bf16 rows [G, heads, 512] (one split)
-    share = fmt.cluster
-    if share > 1:  # the group's row blocks are one cluster: ``hb`` is the CTA's rank in it
-        g, hb = jax.lax.axis_index("g"), jax.lax.axis_index("hb")
-    else:
-        g = jax.lax.div(jax.lax.axis_index("gh"), hbs)
-        hb = jax.lax.rem(jax.lax.axis_index("gh"), hbs)
+    g = jax.lax.div(jax.lax.axis_index("gh"), hbs)
+    hb = jax.lax.rem(jax.lax.axis_index("gh"), hbs)
     split = jax.lax.axis_index("split")
     wg = jax.lax.axis_index("wg")
     stages = stages_for(fmt)
@@ -1178,12 +1044,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
         return jax.lax.broadcast_in_dim(v, (n, m), [1])
 
     work = rule and (rule, lists_ref, s["work"], g, split)
-    # the row stages' mbarriers (one arrival each); sharing, ``v_full`` (each consumer's, and
-    # the bytes from the other CTAs) and ``v_free`` (every consumer of the cluster)
-    counts = (1,) * stages + (CONSUMERS, CONSUMERS * share) * (share > 1)
-    _init_barriers(s["rec_bars"], counts, work, s.get("q_max"), m, share > 1)
-    if share > 1:
-        v_full, v_free = (s["rec_bars"].at[pl.ds(stages + i, 1)] for i in range(2))
+    _init_barriers(s["rec_bars"], stages, work, s.get("q_max"), m)
     setup = [(q_ref.at[g, hb], s["q_lat"])] if fmt.fp4 else []
     if rule is None:
         setup.append((lists_ref.at[g, split], s["work"]))
@@ -1298,17 +1159,6 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
                 cols = pl.ds(FP4_WORDS * (n % 4), FP4_WORDS)
                 s["v"][2 * c + n // 4, :, cols] = _fp4_operand(words, scale, n)
 
-        def rope_scores(stage, acc):
-            """Consumer 0: the rope's scores into ``acc``, its K from registers."""
-            width = ROPE_DIM // fmt.rope_blocks
-            w = load(s["raw"].at[stage, :, pl.ds(fmt.rope_word, width)], wgmma)
-            for r in range(fmt.rope_blocks):
-                if fmt.rope_fp8:
-                    k = _fp8_operand(w, r, dtype)
-                else:
-                    k = jax.lax.bitcast_convert_type(w, jnp.bfloat16)
-                plgpu.wgmma(acc, k, s["q_rope"].at[r].transpose((1, 0)))
-
         def scores(stage):
             """This consumer's unscaled S^T parts [T, m] f32 (``n_acc`` of them). Its bf16 K
             blocks also go to ``v`` for P @ V. One wgmma wait for all."""
@@ -1330,52 +1180,19 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
                     if m > 16:  # at most two K blocks' registers live (see ``_kernel``)
                         plgpu.wgmma_wait(1)
                 if c == 0:
-                    rope_scores(stage, accs[n_acc - 1])
+                    width = ROPE_DIM // fmt.rope_blocks
+                    w = load(s["raw"].at[stage, :, pl.ds(fmt.rope_word, width)], wgmma)
+                    for r in range(fmt.rope_blocks):
+                        if fmt.rope_fp8:
+                            k = _fp8_operand(w, r, dtype)
+                        else:
+                            k = jax.lax.bitcast_convert_type(w, jnp.bfloat16)
+                        q_t = s["q_rope"].at[r].transpose((1, 0))
+                        plgpu.wgmma(accs[n_acc - 1], k, q_t)
                 return [a[...] for a in accs]
 
             width = Q_PIECES * m if fmt.fp4 else m
             return pl.run_scoped(run, [plgpu.ACC((T, width), jnp.float32)] * n_acc)
-
-        def shared_scores(stage, t):
-            """``scores`` with the conversion shared by the cluster's ``share`` CTAs: CTA
-            ``hb`` converts latent blocks [nb hb, nb hb + nb) (nb = LATENT_BLOCKS / share),
-            this consumer half of them; once every consumer of the cluster has finished with
-            the last tile's ``v`` (``v_free``), it stores them to ``v`` and sends them to the
-            same place in the other CTAs (``send_ptx``); when its ``v`` is whole (``v_full``)
-            each consumer scores its own blocks from it (wgmma's A from SMEM), the rope from
-            registers. Every CTA of the cluster walks the same key list, so each takes part
-            in every tile's exchange."""
-            mine = LATENT_BLOCKS // share // CONSUMERS  # blocks this consumer converts
-            first = hb * (LATENT_BLOCKS // share) + c * mine
-            ks = []
-            for j in range(mine):
-                parity = (c * mine + j) % 2  # ``first`` is even where ``mine`` is 2
-                if j == 0 or parity == 0:
-                    words = s["raw"].at[stage, :, pl.ds(DB * ((first + j) // 2), DB)]
-                    w = load(words, wgmma)
-                ks.append(_fp8_operand(w, parity, dtype))
-            plgpu.wgmma_wait(0)  # this consumer's last P @ V and scores have read ``v``
-            plgpu.commit_smem()  # (a warpgroup barrier) thread 0 speaks for the warpgroup
-            _asm(arrive_all_ptx(share), [v_free])
-            _asm(_CLUSTER_WAIT_PTX, [v_free], [jax.lax.rem(t, 2)])
-            for j, k in enumerate(ks):
-                s["v"][first + j] = k
-            plgpu.commit_smem()  # the stores, visible to the bulk copies and to wgmma
-            block_bytes = T * DB * 2
-            incoming = (LATENT_BLOCKS - LATENT_BLOCKS // share) * block_bytes if c == 0 else 0
-            text = send_ptx(share, mine * block_bytes, incoming)
-            _asm(text, [s["v"], v_full], [first * block_bytes], [fmt.q_swizzle])
-            _wait(v_full, jax.lax.rem(t, 2))
-
-            def run(accs):
-                for b in blocks:
-                    q_t = s["q_lat"].at[b].transpose((1, 0))
-                    plgpu.wgmma(accs[acc_of(b)], s["v"].at[b], q_t)
-                if c == 0:
-                    rope_scores(stage, accs[n_acc - 1])
-                return [a[...] for a in accs]
-
-            return pl.run_scoped(run, [plgpu.ACC((T, m), jnp.float32)] * n_acc)
 
         def tile(t, carry, acc_refs):
             m_run, l_run = carry
@@ -1384,7 +1201,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             ids = load(s["ids"].at[stage], per_key)
             if chunk_scales:
                 sc = [load(s["sc"].at[stage, ch], per_key) for ch in chunks]
-            parts = shared_scores(stage, t) if share > 1 else scores(stage)
+            parts = scores(stage)
             plgpu.barrier_arrive(s["consumed"].at[stage])  # this consumer's reads of it are done
             if chunk_scales:
                 mine = parts[len(chunks)] if c == 0 else None
@@ -1461,8 +1278,6 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
 
     for c in range(CONSUMERS):
         pl.when(wg == c)(functools.partial(consume, c))
-    if share > 1:  # no CTA leaves while another may still write to its SMEM or barriers
-        _asm(_CLUSTER_SYNC_PTX)
 
 
 def _swizzle_transforms(swizzle: int) -> tuple:
@@ -1502,8 +1317,7 @@ def _scratch(fmt: RowFormat, rule: SplitRule | None) -> dict:
     if fmt.fp4:  # the q pieces' K=16 operands (``fp4_q``)
         q_lat = swizzled((FP4_SLICES, Q_PIECES * m, FP4_WORDS), 2 * FP4_WORDS)
     else:
-        q_lat = swizzled((LATENT_BLOCKS, m, DB), fmt.q_swizzle)
-        assert fmt.cluster == 1 or fmt.q_swizzle == pv_swizzle  # q and ``v`` meet in wgmma
+        q_lat = swizzled((LATENT_BLOCKS, m, DB), 128)
     scratch = {
         "q_lat": q_lat,
         "raw": plgpu.SMEM((stages, T, fmt.pitch // word), jnp.dtype(f"uint{8 * word}")),
@@ -1516,8 +1330,7 @@ def _scratch(fmt: RowFormat, rule: SplitRule | None) -> dict:
         "work": plgpu.SMEM((WORK,), jnp.int32),
         "scale": plgpu.SMEM((2 * DB,), jnp.float32),
         "ring": plgpu.SMEM((2, T), jnp.int32),  # the producer's index ring (tile t + 1)
-        # the row mbarriers, then ``v_full`` and ``v_free`` where shared (inline PTX)
-        "rec_bars": plgpu.SMEM((stages + 2 * (fmt.cluster > 1),), jnp.int64),
+        "rec_bars": plgpu.SMEM((stages,), jnp.int64),  # the row mbarriers (inline PTX)
         "setup": plgpu.Barrier(num_arrivals=_setup_copies(fmt, rule)),
         "consumed": plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
     }
@@ -1603,16 +1416,12 @@ def attention(fmt: RowFormat, cache, idx, lists, q, score_scale, out_scale, *, f
         o_type = jax.ShapeDtypeStruct((g, fmt.heads, LATENT_DIM), jnp.bfloat16)
     else:
         o_type = jax.ShapeDtypeStruct((g, splits, hbs, fmt.dims, m), jnp.float32)
-    if fmt.cluster > 1:  # a group's row blocks are one cluster (``RowFormat.cluster``)
-        launch = dict(grid=(splits, g), grid_names=("split", "g"))
-        launch.update(cluster=(hbs,), cluster_names=("hb",))
-    else:  # a group's row blocks side by side: their gathers share L2
-        launch = dict(grid=(g * hbs, splits), grid_names=("gh", "split"))
     o_t, lse2 = plgpu.kernel(
         functools.partial(_kernel, fmt=fmt, rule=rule),
         out_type=(o_type, jax.ShapeDtypeStruct((g, splits, hbs, m), jnp.float32)),
         scratch_types=_scratch(fmt, rule),
-        **launch,
+        grid=(g * hbs, splits),  # a group's row blocks side by side: their gathers share L2
+        grid_names=("gh", "split"),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
