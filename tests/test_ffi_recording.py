@@ -17,12 +17,13 @@ import ctypes
 import functools
 import json
 import math
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from tests.cpu_subprocess import child_env
 
 RECORDING_STREAM = 0x5157  # the stand-in stream of the recording build (handlers.cc)
 BIG_RECORDS = 6_600_000  # 4.33 GB of fp8_ds_mla records: byte offsets past 2^32
@@ -250,7 +251,7 @@ def recorded(tmp_path_factory):
         capture_output=True,
         text=True,
         timeout=900,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),  # the recording handlers are the CPU's
+        env=child_env(JAX_PLATFORMS="cpu"),  # the recording handlers are the CPU's
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.splitlines()[-1])

@@ -2,8 +2,8 @@
 
 Each is executed with nbclient in a fresh python3 kernel of this interpreter (JUPYTER_PATH puts
 this environment's kernel spec first; jupyter_client runs its "python" as sys.executable), in a
-temporary directory (their figures land there, not in the repository); a cell that raises fails
-the test.
+temporary directory (their figures land there, not in the repository), with this checkout on
+PYTHONPATH; a cell that raises fails the test.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from tests.cpu_subprocess import child_env
+
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "examples" / "notebooks"
 CELL_TIMEOUT_S = 600
 
@@ -25,6 +27,7 @@ CELL_TIMEOUT_S = 600
 )
 def test_notebook_runs(name, tmp_path, monkeypatch):
     monkeypatch.setenv("JUPYTER_PATH", str(pathlib.Path(sys.prefix) / "share" / "jupyter"))
+    monkeypatch.setenv("PYTHONPATH", child_env()["PYTHONPATH"])  # the kernel imports this checkout
     nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
     client = NotebookClient(
         nb,
