@@ -14,7 +14,8 @@ half (rounding to nearest even); ``red.shared.max`` applies when issued (lanes r
 (the kernels wait for them before any read); an mbarrier counts one pending arrival,
 ``cp.async.mbarrier.arrive`` (without ``.noinc``) adds and removes one,
 ``mbarrier.arrive.expect_tx`` removes one and expects bytes that ``cp.async.bulk`` copies
-complete.
+complete, ``mbarrier.arrive`` removes one; ``bar.sync`` is a point every lane reaches before
+any lane runs on.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ _VALUE_OPS = {  # opcode -> (sources -> result)
     "max.u16x2": _max_u16x2,
     "min.s32": lambda a, b: min(_signed(a), _signed(b)),
     "mul.lo.s32": lambda a, b: _signed(a) * _signed(b),
+    "mul.lo.u32": operator.mul,
+    "bfe.u32": lambda a, pos, n: (a & MASK["32"]) >> pos & ((1 << n) - 1),
     "div.s32": lambda a, b: int(_signed(a) / _signed(b)),  # truncates toward zero
     "add.u64": operator.add,
     "sub.s32": lambda a, b: _signed(a) - _signed(b),
@@ -175,23 +178,29 @@ def _address(text: str, regs: dict) -> int:
 
 
 def run(text: str, operands: dict, *, lanes: int = 1, memory: Memory | None = None):
-    """Runs the PTX block ``text`` once per lane (%tid.x = lane) with ``operands`` ($k -> int)
-    -> (each lane's registers, the barriers armed, by address)."""
+    """Runs the PTX block ``text`` for each lane (%tid.x = lane) with ``operands`` ($k -> int)
+    -> (each lane's registers, the barriers armed, by address). Lanes run one after the other
+    from one ``bar.sync`` to the next: every lane reaches a barrier before any passes it."""
     barriers: dict[int, Barrier] = {}
-    lane_regs = []
-    for lane in range(lanes):
-        regs = dict(operands, **{"%tid.x": lane})
-        for line in text.splitlines():
-            line = line.strip().rstrip(";")
-            if line in ("", "{", "}") or line.startswith(".reg"):
-                continue
-            if line.startswith("@"):
-                guard, line = line.split(None, 1)
-                negate, name = guard[1] == "!", guard.lstrip("@!")
-                if bool(regs[name]) == negate:
-                    continue
-            _step(line, regs, memory, barriers)
-        lane_regs.append(regs)
+    lane_regs = [dict(operands, **{"%tid.x": lane}) for lane in range(lanes)]
+    phases = [[]]
+    for line in text.splitlines():
+        line = line.strip().rstrip(";")
+        if line in ("", "{", "}") or line.startswith(".reg"):
+            continue
+        if line.startswith("bar.sync"):
+            phases.append([])
+        else:
+            phases[-1].append(line)
+    for phase in phases:
+        for regs in lane_regs:
+            for line in phase:
+                if line.startswith("@"):
+                    guard, line = line.split(None, 1)
+                    negate, name = guard[1] == "!", guard.lstrip("@!")
+                    if bool(regs[name]) == negate:
+                        continue
+                _step(line, regs, memory, barriers)
     return lane_regs, barriers
 
 
@@ -242,7 +251,7 @@ def _step(line: str, regs: dict, memory: Memory | None, barriers: dict) -> None:
         dst, *srcs = operands
         data = b"".join((regs[x] & MASK["32"]).to_bytes(4, "little") for x in srcs)
         memory.write(_address(dst, regs), data, "shared")
-    elif op == "cp.async.ca.shared.global":
+    elif op in ("cp.async.ca.shared.global", "cp.async.cg.shared.global"):
         dst, src, size = operands
         data = memory.read(_address(src, regs), int(size), "global")
         memory.write(_address(dst, regs), data, "shared")
@@ -259,7 +268,10 @@ def _step(line: str, regs: dict, memory: Memory | None, barriers: dict) -> None:
         barrier = barriers.setdefault(_address(bar, regs), Barrier())
         barrier.pending -= 1
         barrier.tx += int(size)
-    elif op in ("cp.async.wait_all", "bar.sync") or op.startswith("fence."):
-        pass  # copies are applied when issued; lanes run one after the other
+    elif op == "mbarrier.arrive.release.cta.shared::cta.b64":
+        _, bar = operands
+        barriers.setdefault(_address(bar, regs), Barrier()).pending -= 1
+    elif op.startswith(("cp.async.wait_", "cp.async.commit_group", "fence.")):
+        pass  # copies are applied when issued
     else:
         raise NotImplementedError(f"ptx_sim does not know {op!r}")

@@ -269,8 +269,13 @@ def test_gather_ptx_copies_each_scale_word_once(name):
     stride = 8 * fmt.row_bytes if fmt.fp4 else fmt.row_bytes
     text = P.gather_ptx(fmt, 1024, stride)
     assert f"mul.wide.u32 dst, lane, {fmt.pitch};" in text
-    assert f"[src], {fmt.row_bytes}, [$3]" in text
     assert f"mul.wide.s32 src, k0, {stride};" in text  # 64-bit byte offsets: caches past 4 GiB
+    if fmt.lane_copies:  # the tile's 16-byte chunks over the 128 lanes
+        rounds = -(-P.T * fmt.row_bytes // 16 // 128)
+        assert text.count("@inb cp.async.cg.shared.global [cd], [cs], 16;") == rounds
+        assert f"mul.wide.s32 cs, k, {stride};" in text and "cp.async.bulk" not in text
+    else:
+        assert f"[src], {fmt.row_bytes}, [$3]" in text
     copied = [
         int(x)
         for x in re.findall(r"cp\.async\.ca\.shared\.global \[st\+\d+\], \[src\+(\d+)\]", text)
@@ -340,13 +345,14 @@ def _check_staged(fmt, cache, slots, head, staged):
             assert sc[i, j] == word, (j, i)
 
 
+@pytest.mark.parametrize("lane_copies", [False, True])
 @pytest.mark.parametrize("name", ["sparse_mla", "mla_decode", "causal, 32 rows"])
-def test_gather_ptx_stages_each_listed_row_and_masks_the_rest(name):
+def test_gather_ptx_stages_each_listed_row_and_masks_the_rest(name, lane_copies):
     """The producer's PTX run lane by lane (``ptx_sim``) over a 150-key list of valid, -1 and
     out-of-range indices, three tiles: each staged row is the listed cache row or zeros, the
     ids are the index or -1, the scale words are the row's, each tile's mbarrier completes,
     and nothing outside the cache, the list and the zero row is read."""
-    fmt = FORMATS[name]
+    fmt = FORMATS[name]._replace(lane_copies=lane_copies)
     rng = np.random.default_rng(0)
     rows = 300
     cache = rng.integers(0, 256, (rows, fmt.row_bytes), np.uint8)
@@ -359,12 +365,13 @@ def test_gather_ptx_stages_each_listed_row_and_masks_the_rest(name):
         _check_staged(fmt, cache, tile, 0, staged)
 
 
+@pytest.mark.parametrize("lane_copies", [False, True])
 @pytest.mark.parametrize("name", ["ultraquant", "ultraquant, 32 rows"])
-def test_paged_gather_ptx_resolves_the_block_table(name):
+def test_paged_gather_ptx_resolves_the_block_table(name, lane_copies):
     """UltraQuant's producer PTX run lane by lane from a split starting at position 64: lane j
     of a tile stages slot table[p // block] * block + p % block (p its position) of the CTA's
     KV head, or zeros where the entry is outside [0, pages); only the table row is read."""
-    fmt = FORMATS[name]
+    fmt = FORMATS[name]._replace(lane_copies=lane_copies)
     block, pages, heads, hb = fmt.page_size, 12, 3, 1
     rng = np.random.default_rng(1)
     cache = rng.integers(0, 256, (pages * block, heads * fmt.row_bytes), np.uint8)
@@ -656,6 +663,18 @@ def test_fp4_ptx_is_the_e2m1_values_times_2_to_the_minus_6(nibble):
         for code, got in zip((lo, hi), _run_fp4_ptx(text, word), strict=True):
             want = (-1.0 if code & 8 else 1.0) * e2m1[code & 7] * 2.0**-6
             assert got == want and math.copysign(1, got) == math.copysign(1, want), (code, got)
+
+
+def test_ue8m0_ptx_is_each_columns_group_scale_in_both_halves():
+    """``_UE8M0_PTX`` on every byte value at each of a word's 4 bytes (the others random):
+    both bf16 halves are 2^(e - 127), as float32 bits e << 23 rounded to bf16 (0 at e = 0,
+    infinity at e = 255)."""
+    rng = np.random.default_rng(0)
+    for byte, e in itertools.product(range(4), range(256)):
+        word = int(rng.integers(0, 2**32)) & ~(0xFF << 8 * byte) | e << 8 * byte
+        regs, _ = ptx_sim.run(P._UE8M0_PTX, {"$1": word, "$2": 8 * byte})
+        want = float(np.array(e << 23, np.uint32).view(np.float32).astype(jnp.bfloat16))
+        assert ptx_sim.bf16_pair(regs[0]["$0"]) == [want, want], (byte, e)
 
 
 def _uq_lowered_text(b, hq, hk, slot_bytes=272, implementation="mosaic", blocks=40):

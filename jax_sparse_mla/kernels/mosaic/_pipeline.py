@@ -8,9 +8,11 @@ query rows (heads, or a request's (position, head) rows) and one split of a key 
 tiles of ``T`` = 64 keys. Three warpgroups:
 
 * the producer gathers a tile into a ring of SMEM stages: lane j of its 128 threads takes index
-  j of the tile and copies that key's cache row into SMEM row j with one ``cp.async.bulk``,
-  stores the index (-1 when masked) and, for fp8_ds_mla, copies the record's four scales with
-  ``cp.async``; lane 0 then arms the stage's mbarrier with the tile's bytes. The indices of the
+  j of the tile and copies that key's cache row into SMEM row j with one ``cp.async.bulk``
+  (UltraQuant's 272-byte slots: all 128 lanes copy the tile in 16-byte ``cp.async`` chunks,
+  ``RowFormat.lane_copies``), stores the index (-1 when masked) and, for fp8_ds_mla, copies the
+  record's four scales with ``cp.async``; lane 0 then arms the stage's mbarrier with the tile's
+  bytes. The indices of the
   next tile are prefetched into SMEM with ``cp.async`` too, so no global load waits on the
   producer's path. This is inline PTX: Mosaic GPU's own copy primitive makes all 128 threads
   arrive on the barrier for every copy and moves only multiples of 128 bytes;
@@ -87,7 +89,8 @@ FP4_SLICES = UQ_HEAD_DIM // FP4_WORDS  # K=16 operands of K (or V): 8 nibbles of
 class RowFormat(NamedTuple):
     """What the kernel body needs to know of one cache format (all static).
 
-    row_bytes: bytes of one key's row (one ``cp.async.bulk``, a multiple of 16).
+    row_bytes: bytes of one key's row (a multiple of 16: one ``cp.async.bulk``, or 16-byte
+      chunks with ``lane_copies``).
     pitch: SMEM bytes per staged row: ``row_bytes`` or a little more, such that the words the
       consumers read of 8 rows at one column land on 32 distinct banks (pitch / 4 = 4 mod 8
       words for the uint16 reads, 8 mod 32 for ``fp4``'s 8-byte uint32 reads).
@@ -110,6 +113,11 @@ class RowFormat(NamedTuple):
       stage it themselves (``q_rows_ptx``); with one split the finished output leaves as
       [G, heads, 512] bf16 rows (``out_rows_ptx``): no XLA kernel permutes either. 0 for
       UltraQuant (q as ``fp4_q``'s operands).
+    lane_copies: the producer's 128 lanes copy the tile's rows in 16-byte ``cp.async`` chunks
+      (``_lane_copies_ptx``), not one ``cp.async.bulk`` per row. Faster for UltraQuant's
+      272-byte slots on the H200 (``ultraquant_decode`` B=128 seq=32768: 8702.7 -> 8279.7 us),
+      slower for the 576- and 656-byte latent rows (``mla_decode`` B=128 seq=32768 qlen=1 955.6
+      -> 1011.9, ``sparse_mla`` n_q=128 H=16 82.2 -> 90.0; one run, 2026-12-03).
     """
 
     row_bytes: int
@@ -122,6 +130,7 @@ class RowFormat(NamedTuple):
     fp4: bool = False
     page_size: int = 0
     heads: int = 0
+    lane_copies: bool = False
 
     @property
     def causal(self) -> bool:
@@ -272,7 +281,7 @@ _GATHER_PTX = """{
 .reg .pred lead, act, ok, first, later, pre;
 .reg .b32 lane, slot;
 .reg .s32 key, k0, rest;
-.reg .b64 a, src, dst, st, sc, rg, nx;HEAD_REG
+.reg .b64 a, src, dst, st, sc, rg, nx;HEAD_REGLANE_REGS
 mov.u32 lane, %tid.x;
 and.b32 lane, lane, 127;
 setp.lt.u32 lead, lane, TILE_KEYS;
@@ -290,7 +299,7 @@ add.u64 rg, rg, $7;
 INDEX_ADDRESS
 mov.s32 key, -1;
 @first ld.global.nc.s32 key, [sc];
-cp.async.wait_all;
+WAIT_INDEX
 @later ld.shared.s32 key, [rg];
 KEY_CHECK
 selp.s32 k0, key, 0, ok;
@@ -300,7 +309,7 @@ add.u64 src, src, $0;HEAD_SLOT
 selp.b64 src, src, $6, ok;
 mul.wide.u32 dst, lane, PITCH;
 add.u64 dst, dst, $2;
-@lead cp.async.bulk.shared::cta.global.mbarrier::complete_tx::bytes [dst], [src], ROW_BYTES, [$3];
+ROW_COPY
 add.u64 st, a, $4;
 @lead st.shared.s32 [st], key;
 SCALE_COPIES
@@ -313,9 +322,55 @@ add.u64 nx, nx, a;
 add.u64 nx, nx, $7;
 @pre cp.async.ca.shared.global [nx], [NEXT_INDEX], 4;
 bar.sync PRODUCER_BARRIER, 128;
-setp.eq.u32 lead, lane, 0;
-@lead mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 st, [$3], TILE_BYTES;
+ARM
 }"""
+_BULK_ROW_COPY = (
+    "@lead cp.async.bulk.shared::cta.global.mbarrier::complete_tx::bytes"
+    " [dst], [src], ROW_BYTES, [$3];"
+)
+_BULK_ARM = """setp.eq.u32 lead, lane, 0;
+@lead mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 st, [$3], TILE_BYTES;"""
+# ``lane_copies``: 16-byte chunk f = lane + 128 i of the tile (row f / CHUNKS, chunk f % CHUNKS)
+# from the row's key, read back from ``ids`` (written before the barrier above; -1: the zero row).
+_LANE_REGS = """
+.reg .pred inb, live;
+.reg .b32 fi, row, ch;
+.reg .s32 k;
+.reg .b64 ia, cs, co, cd;"""
+_LANE_CHUNK = """add.u32 fi, lane, FIRST;
+setp.lt.u32 inb, fi, TILE_CHUNKS;
+div.u32 row, fi, CHUNKS;
+rem.u32 ch, fi, CHUNKS;
+mul.wide.u32 ia, row, 4;
+add.u64 ia, ia, $4;
+mov.s32 k, -1;
+@inb ld.shared.s32 k, [ia];
+setp.ge.s32 live, k, 0;
+mul.wide.s32 cs, k, ROW_STRIDE;
+add.u64 cs, cs, $0;CHUNK_HEAD
+selp.b64 cs, cs, $6, live;
+mul.wide.u32 co, ch, 16;
+add.u64 cs, cs, co;
+mul.wide.u32 cd, row, PITCH;
+add.u64 cd, cd, $2;
+add.u64 cd, cd, co;
+@inb cp.async.cg.shared.global [cd], [cs], 16;"""
+_LANE_ARM = """cp.async.commit_group;
+cp.async.mbarrier.arrive.shared::cta.b64 [$3];
+bar.sync PRODUCER_BARRIER, 128;
+setp.eq.u32 lead, lane, 0;
+@lead mbarrier.arrive.release.cta.shared::cta.b64 st, [$3];"""
+
+
+def _lane_copies_ptx(fmt: RowFormat) -> str:
+    """Every lane's 16-byte ``cp.async`` copies of the tile's rows (``RowFormat.lane_copies``),
+    then its ``cp.async.mbarrier.arrive``; lane 0 arrives once all have."""
+    chunks = fmt.row_bytes // 16
+    rounds = -(-T * chunks // 128)
+    body = [_LANE_CHUNK.replace("FIRST", str(128 * i)) for i in range(rounds)]
+    text = "\n".join([*body, _LANE_ARM])
+    text = text.replace("CHUNK_HEAD", "\nadd.u64 cs, cs, head;" * fmt.fp4)
+    return text.replace("TILE_CHUNKS", str(T * chunks)).replace("CHUNKS", str(chunks))
 
 
 def _scale_ptx(words: tuple[int, ...]) -> str:
@@ -360,6 +415,16 @@ def gather_ptx(fmt: RowFormat, rows: int, row_stride: int) -> str:
     ``row_stride`` bytes apart (``row_bytes`` but for UltraQuant's KV heads)."""
     scales = _scale_ptx(fmt.scale_words) if fmt.scale_words else ""
     text = _GATHER_PTX.replace("SCALE_COPIES", scales)
+    if fmt.lane_copies:  # this tile's index copies are a group, its rows the next one
+        text = text.replace("ROW_COPY\n", "").replace("ARM", _lane_copies_ptx(fmt))
+        text = text.replace("LANE_REGS", _LANE_REGS)
+        text = text.replace("bar.sync", "cp.async.commit_group;\nbar.sync", 1)
+        wait = "cp.async.wait_group 1;"  # the index copies of the last tile, not its rows
+    else:
+        text = text.replace("ROW_COPY", _BULK_ROW_COPY).replace("ARM", _BULK_ARM)
+        text = text.replace("LANE_REGS", "")
+        wait = "cp.async.wait_all;"
+    text = text.replace("WAIT_INDEX", wait)
     extra = 9 + bool(fmt.scale_words)  # the first operand past the scales' SMEM
     head = f"\ncvt.u64.u32 head, ${extra};\nadd.u64 src, src, head;"
     regs = "\n.reg .b64 head;" * fmt.fp4
@@ -730,7 +795,12 @@ def _gather_tile(fmt: RowFormat, refs, remaining, t, head=None, position=None):
     ``cp.async.wait_all``). After a producer-wide barrier lane 0 arms ``bar`` with the tile's bytes,
     a release: the ids are visible to whoever acquires the completed phase. With ``fmt.page_size``,
     ``idx`` is the request's block-table row and lane j's key is the slot of position ``position +
-    j`` (``gather_ptx``); the ring holds pages.
+    j`` (``gather_ptx``); the ring holds pages. With ``fmt.lane_copies`` no lane copies a row
+    whole: after that barrier every lane copies its 16-byte chunks of the tile, the source row
+    found from ``ids`` (``_lane_copies_ptx``), arrives on ``bar`` through
+    ``cp.async.mbarrier.arrive``, and lane 0 arrives (no bytes expected) after a second barrier;
+    the index copies wait with ``cp.async.wait_group 1`` (they are a group of their own), not for
+    the last tile's rows.
     """
     plgpu, mgpu_utils, ir, llvm, _, _ = _mgpu()
     splat = plgpu.Layout.WG_SPLAT(shape=())
@@ -861,7 +931,7 @@ def _pairs_by_ptx(ptx: str, words, *extra, word: int | None = None, dtype=jnp.bf
     """``dtype`` (bf16 or float16) [words.shape] (WGMMA layout) from ``ptx`` run on each
     register of the WGMMA layout: $1 is the register of ``words`` as 32 bits (element ``word``
     of it where its registers hold two uint32), $2.. those of the arrays ``extra`` (same shape
-    and layout), $0 the result's pair."""
+    and layout; likewise), $0 the result's pair."""
     plgpu, _, ir, llvm, _, arith = _mgpu()
     from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
 
@@ -875,10 +945,15 @@ def _pairs_by_ptx(ptx: str, words, *extra, word: int | None = None, dtype=jnp.bf
         half = ir.F16Type.get() if dtype == jnp.float16 else ir.BF16Type.get()
         pair = ir.VectorType.get([2], half)
         pick = None if word is None else arith.constant(i32, word)
+
+        def as_i32(reg):  # a register of pairs, or element ``word`` of two uint32
+            if ir.VectorType(reg.type).element_type == i32:
+                return llvm.extractelement(reg, pick)
+            return llvm.bitcast(i32, reg)
+
         regs = words.registers.copy()
         for idx, reg in np.ndenumerate(words.registers):
-            first = llvm.bitcast(i32, reg) if pick is None else llvm.extractelement(reg, pick)
-            operands = [first, *(llvm.bitcast(i32, x.registers[idx]) for x in extra)]
+            operands = [as_i32(reg), *(as_i32(x.registers[idx]) for x in extra)]
             bits = llvm.inline_asm(i32, operands, ptx, "=r" + ",r" * len(operands))
             regs[idx] = llvm.bitcast(pair, bits)
         return mgpu.FragmentedArray(_registers=regs, _layout=words.layout, _is_signed=None)
@@ -960,6 +1035,23 @@ def _fp4_ptx(nibble: int) -> str:
         .replace("MAG_BITS", str(mag[1]))
         .replace("SIGN_SHIFT", str(12 - 4 * nibble))
     )
+
+
+# UE8M0 byte -> bf16 pair in bits: byte $2 / 8 of the scale word $1 (``bfe``), e, as the bf16
+# bits e << 7 in both halves (one ``mul.lo``): 2^(e - 127) for e in 1..254, 0 for e = 0 and
+# infinity for e = 255, as the float32 bits e << 23 rounded to bf16 give.
+_UE8M0_PTX = """{
+.reg .b32 e;
+bfe.u32 e, $1, $2, 8;
+mul.lo.u32 $0, e, 0x00800080;
+}"""
+
+
+def _fp4_scales(sc_word, shift):
+    """[T, FP4_WORDS] bf16 group scales (WGMMA layout) from each key's scale word (4 UE8M0
+    bytes) broadcast over the columns and each column's bit offset of its group's byte, both
+    [T, FP4_WORDS] uint32 (WGMMA layout; a register's two columns share their group)."""
+    return _pairs_by_ptx(_UE8M0_PTX, sc_word, shift, word=0)
 
 
 def _fp4_operand(words, scale, n: int):
@@ -1132,22 +1224,15 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             ``ldmatrix.sync.aligned.m8n8.x4`` for those loads, and loading V's words at K's
             (16-byte aligned) columns ran. Mosaic GPU refuses uint32 loads with bank conflicts,
             hence the 288-byte pitch (``ultraquant.PITCH``)."""
-            group = by_cols(plgpu.layout_cast(jax.lax.iota(jnp.int32, FP4_WORDS), per_row)) // 4
+            column = plgpu.layout_cast(jax.lax.iota(jnp.uint32, FP4_WORDS), per_row)
+            shift = by_cols(column // 4 * 8)  # UE8M0 byte i of a scale word: group 4c + i
             plgpu.wgmma_wait(0)  # the last tile's P @ V has read ``v``
 
             def slice_of(first_word, scale_word):
                 """Words [T, FP4_WORDS] and their groups' scales [T, FP4_WORDS] bf16."""
                 words = load(s["raw"].at[stage, :, pl.ds(first_word, FP4_WORDS)], wgmma)
                 sc_word = load(s["sc"].at[stage, scale_word], per_key)
-                scale = None
-                for i in reversed(range(4)):  # UE8M0 byte i: the scale of group 4c + i
-                    bits = ((sc_word >> (8 * i)) & 0xFF) << 23
-                    f = by_key(
-                        jax.lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16),
-                        FP4_WORDS,
-                    )
-                    scale = f if scale is None else jnp.where(group == i, f, scale)
-                return words, scale
+                return words, _fp4_scales(by_key(sc_word, FP4_WORDS), shift)
 
             words, scale = slice_of(FP4_WORDS * c, c)
             for n in range(8):

@@ -6,14 +6,17 @@ group scales, then V's. One CTA owns the G query heads of one KV head of one req
 16 rows, or 32 past 16) and one split of its tokens. For token j of the split, the producer
 reads the request's block-table entry j // block_size itself (no slot list is built) and copies
 the KV head's slot of token slot ``entry * block_size + j % block_size`` (none for an entry
-outside [0, num_blocks): the token is masked) and its four scale words.
+outside [0, num_blocks): the token is masked) and its four scale words; its 128 lanes copy
+a tile's 64 slots in 16-byte chunks (``RowFormat.lane_copies``): one ``cp.async.bulk`` per
+272-byte slot was slower.
 
 A consumer reads a row's codes as uint32 words, 16 at a time (128 dims, four 32-dim scale
 groups): nibble n of word w is dim 8w + n. Each nibble slice [64 keys, 16] becomes bf16 (value *
 2^-6 from the code's bits in inline PTX, times the group's scale: exact), K slices are wgmma's A
 operand straight from registers (K = 16) against the three bf16 pieces of the float32 rotated q
 (their sum is q exactly, so q.K is float32-accurate), V slices go to SMEM for P @ V. The 2^-6 of
-K and V is folded into the score and output scales.
+K and V is folded into the score and output scales. A group's UE8M0 byte becomes its bf16 scale
+in PTX too (``_fp4_scales``: the byte's bits shifted into the exponent).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ def row_format(group: int, block_size: int) -> RowFormat:
         m=rows_per_cta(group),
         fp4=True,
         page_size=block_size,
+        lane_copies=True,  # 272-byte slots: 16-byte lane copies beat one bulk copy per slot
     )
 
 
