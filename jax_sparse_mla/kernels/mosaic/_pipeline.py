@@ -1185,6 +1185,53 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             head = hb * (cache.shape[1] // hbs) if fmt.fp4 else None  # this KV head's slot
             _gather_tile(fmt, stage_refs, length - t * T, t, head, position)
 
+    def fp4_shift():
+        """[T, FP4_WORDS] uint32: each column's bit offset of its group's UE8M0 byte in a
+        scale word (byte i: group 4c + i of consumer c's slice)."""
+        column = plgpu.layout_cast(jax.lax.iota(jnp.uint32, FP4_WORDS), per_row)
+        return by_cols(column // 4 * 8)
+
+    def fp4_slice(stage, first_word, scale_word, shift):
+        """UltraQuant: words [T, FP4_WORDS] uint32 of the staged rows from ``first_word`` and
+        their groups' scales [T, FP4_WORDS] bf16 (from scale word ``scale_word``)."""
+        words = load(s["raw"].at[stage, :, pl.ds(first_word, FP4_WORDS)], wgmma)
+        sc_word = load(s["sc"].at[stage, scale_word], per_key)
+        return words, _fp4_scales(by_key(sc_word, FP4_WORDS), shift)
+
+    def fp4_k_scores(stage, c, acc, shift):
+        """Slice c of K's codes (words 16c .. 16c + 15: scale groups 4c .. 4c + 3) against
+        the stacked q pieces into ``acc`` [T, Q_PIECES * m], one wgmma per nibble."""
+        words, scale = fp4_slice(stage, FP4_WORDS * c, c, shift)
+        for n in range(8):
+            k = _fp4_operand(words, scale, n)
+            plgpu.wgmma(acc, k, s["q_lat"].at[8 * c + n].transpose((1, 0)))
+
+    def fp4_v_store(stage, c, shift):
+        """Slice c of V's codes as bf16 into ``v``: nibble n to block 2c + n // 4, columns
+        16 (n % 4) .. 16 (n % 4) + 15."""
+        words, scale = fp4_slice(stage, UQ_V_CODES // 4 + FP4_WORDS * c, CONSUMERS + c, shift)
+        for n in range(8):
+            cols = pl.ds(FP4_WORDS * (n % 4), FP4_WORDS)
+            s["v"][2 * c + n // 4, :, cols] = _fp4_operand(words, scale, n)
+
+    def store_o_t(c, blocks, accs, inv_l):
+        """The O^T accumulators [DB, m] f32 of ``blocks`` times ``inv_l`` to ``o``, each
+        staged through ``s[c]``."""
+        for b, acc in zip(blocks, accs, strict=True):
+            s["s"][c] = acc * by_row(inv_l, DB)  # its last read was before the last barrier
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(s["s"].at[c], o_ref.at[g, split, hb, pl.ds(DB * b, DB)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.commit_smem()  # (a warpgroup barrier) s[c] is free again for every thread
+
+    def store_lse(m_run, l_run, has):
+        """Rows' lse (natural log; -inf without keys) to ``lse``."""
+        s["lse"][pl.ds(0, m)] = jnp.where(
+            has, (m_run + jnp.log2(jnp.where(has, l_run, 1.0))) * (1 / LOG2E), -jnp.inf
+        )
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(s["lse"].at[pl.ds(0, m)], lse_ref.at[g, split, hb])
+
     def consume(c: int):
         plgpu.set_max_registers(consumer_registers(), action="increase")
         if not fmt.fp4:
@@ -1224,25 +1271,10 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             ``ldmatrix.sync.aligned.m8n8.x4`` for those loads, and loading V's words at K's
             (16-byte aligned) columns ran. Mosaic GPU refuses uint32 loads with bank conflicts,
             hence the 288-byte pitch (``ultraquant.PITCH``)."""
-            column = plgpu.layout_cast(jax.lax.iota(jnp.uint32, FP4_WORDS), per_row)
-            shift = by_cols(column // 4 * 8)  # UE8M0 byte i of a scale word: group 4c + i
+            shift = fp4_shift()
             plgpu.wgmma_wait(0)  # the last tile's P @ V has read ``v``
-
-            def slice_of(first_word, scale_word):
-                """Words [T, FP4_WORDS] and their groups' scales [T, FP4_WORDS] bf16."""
-                words = load(s["raw"].at[stage, :, pl.ds(first_word, FP4_WORDS)], wgmma)
-                sc_word = load(s["sc"].at[stage, scale_word], per_key)
-                return words, _fp4_scales(by_key(sc_word, FP4_WORDS), shift)
-
-            words, scale = slice_of(FP4_WORDS * c, c)
-            for n in range(8):
-                k = _fp4_operand(words, scale, n)
-                q_t = s["q_lat"].at[8 * c + n]
-                plgpu.wgmma(acc, k, q_t.transpose((1, 0)))
-            words, scale = slice_of(UQ_V_CODES // 4 + FP4_WORDS * c, CONSUMERS + c)
-            for n in range(8):
-                cols = pl.ds(FP4_WORDS * (n % 4), FP4_WORDS)
-                s["v"][2 * c + n // 4, :, cols] = _fp4_operand(words, scale, n)
+            fp4_k_scores(stage, c, acc, shift)
+            fp4_v_store(stage, c, shift)
 
         def scores(stage):
             """This consumer's unscaled S^T parts [T, m] f32 (``n_acc`` of them). Its bf16 K
@@ -1347,18 +1379,9 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
                 even, odd = (accs[k] * by_row(inv_l, DB) for k in (i, i + 1))
                 _store_out_rows(fmt, blocks[i] // 2, even, odd, o_ref.at[g], hb * m)
         else:
-            for b, acc in zip(blocks, accs, strict=True):
-                s["s"][c] = acc * by_row(inv_l, DB)  # its last read was before the barrier above
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(s["s"].at[c], o_ref.at[g, split, hb, pl.ds(DB * b, DB)])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                plgpu.commit_smem()  # (a warpgroup barrier) s[c] is free again for every thread
+            store_o_t(c, blocks, accs, inv_l)
         if c == 0:
-            s["lse"][pl.ds(0, m)] = jnp.where(
-                has, (m_run + jnp.log2(jnp.where(has, l_run, 1.0))) * (1 / LOG2E), -jnp.inf
-            )
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(s["lse"].at[pl.ds(0, m)], lse_ref.at[g, split, hb])
+            store_lse(m_run, l_run, has)
         plgpu.wait_smem_to_gmem(0)
 
     for c in range(CONSUMERS):
