@@ -12,10 +12,10 @@ tiles of ``T`` = 64 keys. Three warpgroups:
   (UltraQuant's 272-byte slots: all 128 lanes copy the tile in 16-byte ``cp.async`` chunks,
   ``RowFormat.lane_copies``), stores the index (-1 when masked) and, for fp8_ds_mla, copies the
   record's four scales with ``cp.async``; lane 0 then arms the stage's mbarrier with the tile's
-  bytes. The indices of the
-  next tile are prefetched into SMEM with ``cp.async`` too, so no global load waits on the
-  producer's path. This is inline PTX: Mosaic GPU's own copy primitive makes all 128 threads
-  arrive on the barrier for every copy and moves only multiples of 128 bytes;
+  bytes. The indices of the next tile are prefetched into SMEM with ``cp.async`` too, so no
+  global load waits on the producer's path. This is inline PTX: Mosaic GPU's own copy
+  primitive makes all 128 threads arrive on the barrier for every copy and moves only
+  multiples of 128 bytes;
 * ``CONSUMERS`` = 2 consumers split each tile's latent dims: consumer c converts chunks 2c and
   2c + 1 of K's fp8 codes to bf16 (float16 for the decode) in registers (exact; inline PTX)
   and computes its part of the transposed scores S^T [keys, rows] = K Q^T on wgmma (K as the
@@ -321,6 +321,7 @@ mul.wide.u32 nx, slot, RING_SLOT;
 add.u64 nx, nx, a;
 add.u64 nx, nx, $7;
 @pre cp.async.ca.shared.global [nx], [NEXT_INDEX], 4;
+INDEX_GROUP
 bar.sync PRODUCER_BARRIER, 128;
 ARM
 }"""
@@ -418,11 +419,11 @@ def gather_ptx(fmt: RowFormat, rows: int, row_stride: int) -> str:
     if fmt.lane_copies:  # this tile's index copies are a group, its rows the next one
         text = text.replace("ROW_COPY\n", "").replace("ARM", _lane_copies_ptx(fmt))
         text = text.replace("LANE_REGS", _LANE_REGS)
-        text = text.replace("bar.sync", "cp.async.commit_group;\nbar.sync", 1)
+        text = text.replace("INDEX_GROUP", "cp.async.commit_group;")
         wait = "cp.async.wait_group 1;"  # the index copies of the last tile, not its rows
     else:
         text = text.replace("ROW_COPY", _BULK_ROW_COPY).replace("ARM", _BULK_ARM)
-        text = text.replace("LANE_REGS", "")
+        text = text.replace("LANE_REGS", "").replace("INDEX_GROUP\n", "")
         wait = "cp.async.wait_all;"
     text = text.replace("WAIT_INDEX", wait)
     extra = 9 + bool(fmt.scale_words)  # the first operand past the scales' SMEM
