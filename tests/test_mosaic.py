@@ -232,15 +232,18 @@ def test_work_ptx_covers_each_list_once_in_aligned_splits(splits, align):
     np.testing.assert_array_equal(work, xla[..., :4])
 
 
-def test_register_split_fits_the_launch_allocation():
+@pytest.mark.parametrize("consumers", sorted({f.consumers for f in FORMATS.values()}))
+def test_register_split_fits_the_launch_allocation(consumers):
     """``setmaxnreg`` takes multiples of 8 in [24, 256], and the warpgroups together may hold
     no more than the CTA got at launch (ptxas: 65536 over ``.maxntid`` threads, rounded down
     to 8 each)."""
-    threads = 128 * (P.CONSUMERS + 1)
-    for regs in (P.consumer_registers(), P.PRODUCER_REGISTERS):
-        assert regs % 8 == 0 and 24 <= regs <= 256
-    held = 128 * (P.CONSUMERS * P.consumer_registers() + P.PRODUCER_REGISTERS)
+    threads = 128 * (consumers + 1)
+    regs = P.consumer_registers(consumers)
+    for r in (regs, P.PRODUCER_REGISTERS):
+        assert r % 8 == 0 and 24 <= r <= 256
+    held = 128 * (consumers * regs + P.PRODUCER_REGISTERS)
     assert held <= 65536 // threads // 8 * 8 * threads
+    assert regs == {2: 232, 4: 104}[consumers]
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))

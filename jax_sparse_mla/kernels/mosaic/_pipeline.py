@@ -80,6 +80,7 @@ LOG2E = math.log2(math.e)
 WORK = 32  # int32 words per CTA work entry (Pallas copies move multiples of 128 bytes)
 PRODUCER_BARRIER = 15  # a named barrier id that Mosaic GPU's own (1 + warpgroup) never takes
 CONSUMER_BARRIER = 14  # the consumers' named barrier (128 * CONSUMERS threads), likewise free
+ALL_CONSUMERS_BARRIER = 13  # ``kv_split``: the K and the V consumers together, likewise free
 PRODUCER_REGISTERS = 40
 MAX_ROWS = 2**31  # the gather's record indices are int32
 FP4_WORDS = 16  # uint32 words of an UltraQuant slice: 128 dims, four 32-dim scale groups
@@ -113,6 +114,10 @@ class RowFormat(NamedTuple):
       stage it themselves (``q_rows_ptx``); with one split the finished output leaves as
       [G, heads, 512] bf16 rows (``out_rows_ptx``): no XLA kernel permutes either. 0 for
       UltraQuant (q as ``fp4_q``'s operands).
+    kv_split: UltraQuant only: warpgroups 0 .. CONSUMERS - 1 convert K and score (consumer 0
+      runs the softmax and hands P and its alpha over through two SMEM slots), warpgroups
+      CONSUMERS .. 2 CONSUMERS - 1 convert V and accumulate O^T (``_kernel``'s ``consume_k``
+      and ``consume_v``).
     lane_copies: the producer's 128 lanes copy the tile's rows in 16-byte ``cp.async`` chunks
       (``_lane_copies_ptx``), not one ``cp.async.bulk`` per row. Faster for UltraQuant's
       272-byte slots on the H200 (``ultraquant_decode`` B=128 seq=32768: 8702.7 -> 8279.7 us),
@@ -131,6 +136,13 @@ class RowFormat(NamedTuple):
     page_size: int = 0
     heads: int = 0
     lane_copies: bool = False
+    kv_split: bool = False
+
+    @property
+    def consumers(self) -> int:
+        """Consumer warpgroups: ``CONSUMERS``, or with ``kv_split`` (UltraQuant) that many
+        converting K and as many converting V."""
+        return 2 * CONSUMERS if self.kv_split else CONSUMERS
 
     @property
     def causal(self) -> bool:
@@ -213,13 +225,14 @@ def load(ref, layout):
     return plgpu.load(ref, layout=layout)
 
 
-def consumer_registers() -> int:
-    """Registers per consumer thread (``setmaxnreg``): the CTA's launch allocation (65536 per
-    SM split evenly over its threads, in multiples of 8, as ptxas allots for ``.maxntid``) less
-    the producer's, shared by the consumers. 232 with two consumers."""
-    threads = 128 * (CONSUMERS + 1)
+def consumer_registers(consumers: int = CONSUMERS) -> int:
+    """Registers per consumer thread (``setmaxnreg``) with ``consumers`` consumer warpgroups:
+    the CTA's launch allocation (65536 per SM split evenly over its threads, in multiples of 8,
+    as ptxas allots for ``.maxntid``) less the producer's, shared by the consumers. 232 with
+    two consumers, 104 with four."""
+    threads = 128 * (consumers + 1)
     launch = 65536 // threads // 8 * 8 * threads
-    return (launch - 128 * PRODUCER_REGISTERS) // (128 * CONSUMERS) // 8 * 8
+    return (launch - 128 * PRODUCER_REGISTERS) // (128 * consumers) // 8 * 8
 
 
 def rows_per_cta(rows: int) -> int:
@@ -849,8 +862,9 @@ def _wait(bar_ref, parity):
     wait(bar_ref, parity)
 
 
-def _consumers_barrier():
-    """The consumer warpgroups meet; their SMEM accesses before it precede those after."""
+def _consumers_barrier(barrier: int = CONSUMER_BARRIER, warpgroups: int = CONSUMERS):
+    """``warpgroups`` consumer warpgroups meet at named barrier ``barrier``; their SMEM
+    accesses before it precede those after."""
     plgpu, _, ir, llvm, _, _ = _mgpu()
 
     @plgpu.inline_mgpu()
@@ -859,7 +873,7 @@ def _consumers_barrier():
         llvm.inline_asm(
             ir.Type.parse("!llvm.void"),
             [],
-            f"bar.sync {CONSUMER_BARRIER}, {128 * CONSUMERS};",
+            f"bar.sync {barrier}, {128 * warpgroups};",
             "",
             has_side_effects=True,
         )
@@ -1155,7 +1169,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
     first, length, lo, total = (s["work"][i] for i in range(4))
     count = (length + T - 1) // T
 
-    @pl.when(wg == CONSUMERS)
+    @pl.when(wg == fmt.consumers)
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
@@ -1385,8 +1399,112 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             store_lse(m_run, l_run, has)
         plgpu.wait_smem_to_gmem(0)
 
+    def consume_k(c: int):
+        """``kv_split``: K warpgroup c scores slice c of each tile's K; consumer 0 adds the
+        others' partial scores, runs the online softmax and hands P^T and alpha to the V
+        warpgroups in slot t % 2 (``p_full``), once they freed it (``p_free``)."""
+        plgpu.set_max_registers(consumer_registers(fmt.consumers), action="increase")
+        score_scale = load(s["scale"].at[pl.ds(0, m)], per_row)
+        shift = fp4_shift()
+
+        def tile(t, carry):
+            m_run, l_run = carry
+            stage = jax.lax.rem(t, stages)
+            _wait(s["rec_bars"].at[pl.ds(stage, 1)], jax.lax.rem(t // stages, 2))
+            ids = load(s["ids"].at[stage], per_key)
+
+            def run(acc):
+                fp4_k_scores(stage, c, acc, shift)
+                pieces = acc[...]  # [T, Q_PIECES * m]
+                return pieces[:, :m] + pieces[:, m : 2 * m] + pieces[:, 2 * m :]
+
+            mine = pl.run_scoped(run, plgpu.ACC((T, Q_PIECES * m), jnp.float32))
+            plgpu.barrier_arrive(s["consumed"].at[stage])
+            if c != 0:
+                s["s"][c] = mine
+            _consumers_barrier()  # every partial score is in SMEM
+            if c != 0:
+                _consumers_barrier()  # consumer 0 has read them
+                return m_run, l_run
+            parts = [mine, *(load(s["s"].at[i], wgmma) for i in range(1, CONSUMERS))]
+            _consumers_barrier()
+            sc_t = functools.reduce(operator.add, parts)  # the order of ``consume``
+            visible = by_key(ids) >= 0
+            sc_t = jnp.where(visible, sc_t * by_row(score_scale), -jnp.inf)  # log2 units
+            m_new = jnp.maximum(m_run, sc_t.max(axis=0))
+            m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m_run - m_ref)
+            p = jnp.exp2(sc_t - by_row(m_ref))
+            l_run = l_run * alpha + p.sum(axis=0)
+            slot = jax.lax.rem(t, 2)
+
+            @pl.when(t >= 2)
+            def _():
+                plgpu.barrier_wait(s["p_free"].at[slot])  # tile t - 2's P @ V is done
+
+            s["p"].at[slot][...] = p.astype(dtype)
+            s["alpha"].at[slot][pl.ds(0, m)] = alpha
+            plgpu.commit_smem()  # P^T visible to the V warpgroups' wgmmas
+            plgpu.barrier_arrive(s["p_full"].at[slot])
+            return m_new, l_run
+
+        m0 = plgpu.layout_cast(jnp.full((m,), -jnp.inf, jnp.float32), per_row)
+        l0 = plgpu.layout_cast(jnp.full((m,), 0.0, jnp.float32), per_row)
+        m_run, l_run = jax.lax.fori_loop(0, count, tile, (m0, l0))
+        if c == 0:
+            s["ml"][pl.ds(DB, m)] = l_run
+        _consumers_barrier(ALL_CONSUMERS_BARRIER, fmt.consumers)  # the sum is in SMEM
+        if c == 0:
+            store_lse(m_run, l_run, l_run != 0)
+        plgpu.wait_smem_to_gmem(0)
+
+    def consume_v(c: int):
+        """``kv_split``: V warpgroup c converts slice c of each tile's V into ``v`` and
+        accumulates O^T for its dims against the P^T of slot t % 2, frees the slot once that
+        wgmma is done, and writes its O^T after the walk."""
+        plgpu.set_max_registers(consumer_registers(fmt.consumers), action="increase")
+        out_scale = load(s["scale"].at[pl.ds(DB, m)], per_row)
+        shift = fp4_shift()
+        own = fmt.own_blocks
+        blocks = range(own * c, own * (c + 1))
+
+        def all_tiles(acc_refs):
+            @pl.loop(0, count)
+            def _(t):
+                stage = jax.lax.rem(t, stages)
+                _wait(s["rec_bars"].at[pl.ds(stage, 1)], jax.lax.rem(t // stages, 2))
+                plgpu.wgmma_wait(0)  # tile t - 1's P @ V has read ``v`` and its P^T slot
+
+                @pl.when(t >= 1)
+                def _():
+                    plgpu.barrier_arrive(s["p_free"].at[jax.lax.rem(t + 1, 2)])
+
+                fp4_v_store(stage, c, shift)
+                plgpu.barrier_arrive(s["consumed"].at[stage])
+                slot = jax.lax.rem(t, 2)
+                plgpu.barrier_wait(s["p_full"].at[slot])
+                alpha = load(s["alpha"].at[slot, pl.ds(0, m)], per_row)
+                plgpu.commit_smem()  # V visible to wgmma
+                for i, b in enumerate(blocks):
+                    acc = acc_refs[i]
+                    acc[...] = plgpu.wgmma_accumulator_load(acc, wait_n=None) * by_row(alpha, DB)
+                    plgpu.wgmma(acc, s["v"].at[b].transpose((1, 0)), s["p"].at[slot])
+
+            return [a[...] for a in acc_refs]
+
+        accs = pl.run_scoped(all_tiles, [plgpu.ACC((DB, m), jnp.float32)] * own)
+        _consumers_barrier(ALL_CONSUMERS_BARRIER, fmt.consumers)  # consumer 0's sum is in SMEM
+        l_run = load(s["ml"].at[pl.ds(DB, m)], per_row)
+        has = l_run != 0
+        store_o_t(c, blocks, accs, jnp.where(has, out_scale / jnp.where(has, l_run, 1.0), 0.0))
+        plgpu.wait_smem_to_gmem(0)
+
     for c in range(CONSUMERS):
-        pl.when(wg == c)(functools.partial(consume, c))
+        if fmt.kv_split:
+            pl.when(wg == c)(functools.partial(consume_k, c))
+            pl.when(wg == CONSUMERS + c)(functools.partial(consume_v, c))
+        else:
+            pl.when(wg == c)(functools.partial(consume, c))
 
 
 def _swizzle_transforms(swizzle: int) -> tuple:
@@ -1441,8 +1559,12 @@ def _scratch(fmt: RowFormat, rule: SplitRule | None) -> dict:
         "ring": plgpu.SMEM((2, T), jnp.int32),  # the producer's index ring (tile t + 1)
         "rec_bars": plgpu.SMEM((stages,), jnp.int64),  # the row mbarriers (inline PTX)
         "setup": plgpu.Barrier(num_arrivals=_setup_copies(fmt, rule)),
-        "consumed": plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+        "consumed": plgpu.Barrier(num_arrivals=fmt.consumers, num_barriers=stages),
     }
+    if fmt.kv_split:  # P^T (``p``'s two blocks) and alpha handed from K to V, two slots
+        scratch["alpha"] = plgpu.SMEM((2, 32), jnp.float32)
+        scratch["p_full"] = plgpu.Barrier(num_arrivals=1, num_barriers=2)
+        scratch["p_free"] = plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=2)
     if fmt.operand_dtype == jnp.float16:  # q's largest |bf16| bits (``q_max_ptx``)
         scratch["q_max"] = plgpu.SMEM((64,), jnp.uint32)
     if fmt.rope_blocks:
@@ -1531,7 +1653,7 @@ def attention(fmt: RowFormat, cache, idx, lists, q, score_scale, out_scale, *, f
         scratch_types=_scratch(fmt, rule),
         grid=(g * hbs, splits),  # a group's row blocks side by side: their gathers share L2
         grid_names=("gh", "split"),
-        num_threads=CONSUMERS + 1,
+        num_threads=fmt.consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             approx_math=True,

@@ -1,7 +1,8 @@
 """Mosaic GPU (Hopper, sm_90a) ``ultraquant_decode`` over the 4-bit UltraQuant paged cache.
 
-The pipeline of ``_pipeline`` (a producer warpgroup gathering cache rows, two wgmma consumers)
-over 272-byte slots: K's 128 bytes of E2M1 codes (element 2i in the low nibble) and 8 UE8M0
+The pipeline of ``_pipeline`` (a producer warpgroup gathering cache rows; its consumers split
+by K and by V, ``RowFormat.kv_split``: two warpgroups convert K and score, two convert V and
+multiply P @ V) over 272-byte slots: K's 128 bytes of E2M1 codes (element 2i in the low nibble) and 8 UE8M0
 group scales, then V's. One CTA owns the G query heads of one KV head of one request (padded to
 16 rows, or 32 past 16) and one split of its tokens. For token j of the split, the producer
 reads the request's block-table entry j // block_size itself (no slot list is built) and copies
@@ -68,6 +69,7 @@ def row_format(group: int, block_size: int) -> RowFormat:
         fp4=True,
         page_size=block_size,
         lane_copies=True,  # 272-byte slots: 16-byte lane copies beat one bulk copy per slot
+        kv_split=True,  # two warpgroups convert K and score, two convert V (more warps issuing)
     )
 
 
