@@ -32,6 +32,15 @@ def test_groups(impl, g, hk):
     check(impl, case, run(case, impl))
 
 
+@pytest.mark.parametrize("impl", [i for i in impls.available("ultraquant_decode") if i != "flydsl"])
+@pytest.mark.parametrize("g", [17, 32])
+def test_groups_past_16(impl, g):
+    """17 to 32 query heads per KV head: the Mosaic kernel's 32-row CTAs (the gfx950 kernel
+    takes at most 16 and refuses more by name)."""
+    case = C.uq_case(g * 10 + 1, seq_lens=(1, 40, 100), hk=2, g=g, bs=16)
+    check(impl, case, run(case, impl))
+
+
 @impls.each_ultraquant
 @pytest.mark.parametrize("bs", [16, 32, 64, 128, 256])
 def test_block_sizes(impl, bs):
