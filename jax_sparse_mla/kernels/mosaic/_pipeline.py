@@ -1231,6 +1231,23 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             cols = pl.ds(FP4_WORDS * (n % 4), FP4_WORDS)
             s["v"][2 * c + n // 4, :, cols] = _fp4_operand(words, scale, n)
 
+    def softmax_start():
+        """The online softmax's running max and sum before the first tile: [m] f32 each."""
+        m0 = plgpu.layout_cast(jnp.full((m,), -jnp.inf, jnp.float32), per_row)
+        l0 = plgpu.layout_cast(jnp.full((m,), 0.0, jnp.float32), per_row)
+        return m0, l0
+
+    def softmax_step(sc_t, m_run, m_new):
+        """alpha [m] (the old accumulators' factor) and P^T [T, m] f32 for the masked scores
+        ``sc_t`` (log2 units) moving the running max from ``m_run`` to ``m_new``."""
+        m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        return jnp.exp2(m_run - m_ref), jnp.exp2(sc_t - by_row(m_ref))
+
+    def out_factor(out_scale, l_run):
+        """Whether each row had keys, and its output's factor: ``out_scale`` / the sum, or 0."""
+        has = l_run != 0
+        return has, jnp.where(has, out_scale / jnp.where(has, l_run, 1.0), 0.0)
+
     def store_o_t(c, blocks, accs, inv_l):
         """The O^T accumulators [DB, m] f32 of ``blocks`` times ``inv_l`` to ``o``, each
         staged through ``s[c]``."""
@@ -1358,9 +1375,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             _consumers_barrier()  # the running max is in SMEM; every partial has been read
             if c != 0:
                 m_new = load(s["ml"].at[pl.ds(0, m)], per_row)
-            m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m_run - m_ref)
-            p = jnp.exp2(sc_t - by_row(m_ref))
+            alpha, p = softmax_step(sc_t, m_run, m_new)
             if c == 0:
                 l_run = l_run * alpha + p.sum(axis=0)
             if chunk_scales:
@@ -1377,10 +1392,8 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             return m_new, l_run
 
         def all_tiles(acc_refs):
-            m0 = plgpu.layout_cast(jnp.full((m,), -jnp.inf, jnp.float32), per_row)
-            l0 = plgpu.layout_cast(jnp.full((m,), 0.0, jnp.float32), per_row)
             step = functools.partial(tile, acc_refs=acc_refs)
-            m_run, l_run = jax.lax.fori_loop(0, count, step, (m0, l0))
+            m_run, l_run = jax.lax.fori_loop(0, count, step, softmax_start())
             return m_run, l_run, [a[...] for a in acc_refs]
 
         m_run, l_run, accs = pl.run_scoped(all_tiles, [plgpu.ACC((DB, m), jnp.float32)] * own)
@@ -1389,8 +1402,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
         _consumers_barrier()  # consumer 0's softmax sum is in SMEM
         if c != 0:
             l_run = load(s["ml"].at[pl.ds(DB, m)], per_row)
-        has = l_run != 0
-        inv_l = jnp.where(has, out_scale / jnp.where(has, l_run, 1.0), 0.0)
+        has, inv_l = out_factor(out_scale, l_run)
         if out_rows:  # each chunk's even and odd blocks, interleaved into bf16 rows
             for i in range(0, own, 2):
                 even, odd = (accs[k] * by_row(inv_l, DB) for k in (i, i + 1))
@@ -1434,9 +1446,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             visible = by_key(ids) >= 0
             sc_t = jnp.where(visible, sc_t * by_row(score_scale), -jnp.inf)  # log2 units
             m_new = jnp.maximum(m_run, sc_t.max(axis=0))
-            m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m_run - m_ref)
-            p = jnp.exp2(sc_t - by_row(m_ref))
+            alpha, p = softmax_step(sc_t, m_run, m_new)
             l_run = l_run * alpha + p.sum(axis=0)
             slot = jax.lax.rem(t, 2)
 
@@ -1450,9 +1460,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             plgpu.barrier_arrive(s["p_full"].at[slot])
             return m_new, l_run
 
-        m0 = plgpu.layout_cast(jnp.full((m,), -jnp.inf, jnp.float32), per_row)
-        l0 = plgpu.layout_cast(jnp.full((m,), 0.0, jnp.float32), per_row)
-        m_run, l_run = jax.lax.fori_loop(0, count, tile, (m0, l0))
+        m_run, l_run = jax.lax.fori_loop(0, count, tile, softmax_start())
         if c == 0:
             s["ml"][pl.ds(DB, m)] = l_run
         _consumers_barrier(ALL_CONSUMERS_BARRIER, fmt.consumers)  # the sum is in SMEM
@@ -1497,8 +1505,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
         accs = pl.run_scoped(all_tiles, [plgpu.ACC((DB, m), jnp.float32)] * own)
         _consumers_barrier(ALL_CONSUMERS_BARRIER, fmt.consumers)  # consumer 0's sum is in SMEM
         l_run = load(s["ml"].at[pl.ds(DB, m)], per_row)
-        has = l_run != 0
-        store_o_t(c, blocks, accs, jnp.where(has, out_scale / jnp.where(has, l_run, 1.0), 0.0))
+        store_o_t(c, blocks, accs, out_factor(out_scale, l_run)[1])
         plgpu.wait_smem_to_gmem(0)
 
     for c in range(CONSUMERS):
