@@ -108,7 +108,7 @@ _VALUE_OPS = {  # opcode -> (sources -> result)
         _f16_bits(O.E4M3_TABLE[c >> 8 * i & 0xFF]) << 16 * i for i in (0, 1)
     ),
     "cvt.f32.f16": lambda h: float(np.array(h, np.uint16).view(np.float16)),
-    "cvt.rn.bf16x2.f32": lambda a, b: bf16_bits([b, a]),
+    "cvt.rn.bf16x2.f32": lambda a, b: bf16_bits(O.round_bf16(np.array([_f32(b), _f32(a)]))),
     "mul.rn.f32": lambda a, b: _f32(a) * _f32(b),
     "cvt.rn.f16x2.f32": lambda a, b: _f16_bits(_f32(b)) | _f16_bits(_f32(a)) << 16,
 }

@@ -23,6 +23,7 @@ import pytest
 import jax_sparse_mla as jsm
 from jax_sparse_mla import _platform
 from jax_sparse_mla.kernels.mosaic import _pipeline as P
+from jax_sparse_mla.kernels.mosaic import _wide as W
 from jax_sparse_mla.kernels.mosaic import mla_decode as D
 from jax_sparse_mla.kernels.mosaic import sparse_mla as K
 from jax_sparse_mla.kernels.mosaic import ultraquant as U
@@ -148,26 +149,31 @@ def test_q_rows_ptx_stages_the_operand_blocks_of_the_ctas_rows(fmt, row0):
         np.testing.assert_array_equal(rope[0], rows[:, 512:])
 
 
-def test_out_rows_ptx_interleaves_each_chunks_even_and_odd_dims_into_bf16_rows():
-    """``out_rows_ptx`` run for every (j, r) of one chunk's O^T blocks, as the WGMMA layout's
-    registers would: row row0 + r, dims 128c + 2j and + 1 hold even[j, r] and odd[j, r] as
-    bf16; rows past ``heads`` are never written (the buffer ends there)."""
-    heads, row0, chunk = 20, 16, 2
-    fmt = K.row_format(heads)
+@pytest.mark.parametrize("wide", [False, True])
+def test_out_rows_ptx_interleaves_each_chunks_even_and_odd_dims_into_bf16_rows(wide):
+    """``out_rows_ptx`` run for every register of one chunk's two output blocks as the WGMMA
+    layout's would hold them: rows row0 + r, dims 128c + 2j and + 1 hold even[r, j] and
+    odd[r, j] as bf16; rows past ``heads`` are never written (the buffer ends there). O^T
+    blocks [DB, m] (a register: (j, r) and (j, r + 1)), or ``_wide``'s O blocks [64, DB] (a
+    register: (r, j) and (r, j + 1))."""
+    heads, row0, chunk = (100, 64, 3) if wide else (20, 16, 2)
+    fmt = K.row_format(heads, wide=wide)
     rng = np.random.default_rng(5)
-    even, odd = (O.round_bf16(rng.normal(size=(P.DB, fmt.m))) for _ in range(2))
+    even, odd = (O.round_bf16(rng.normal(size=(fmt.m, P.DB))) for _ in range(2))
     mem = ptx_sim.Memory()
     out = mem.add("out", np.zeros((heads, 512), "<u2"), "global")
-    text = P.out_rows_ptx(fmt, chunk)
-    for j in range(P.DB):
-        for r in range(0, fmt.m, 2):
-            pairs = [even[j, r], even[j, r + 1], odd[j, r], odd[j, r + 1]]
-            values = {f"${4 + i}": float(v) for i, v in enumerate(pairs)}
-            ptx_sim.run(text, {"$0": out, "$1": j, "$2": r, "$3": row0, **values}, memory=mem)
+    text = W.out_rows_ptx(fmt, chunk) if wide else P.out_rows_ptx(fmt, chunk)
+    step = (1, 2) if wide else (2, 1)  # the register's second value: column j + 1, or row r + 1
+    for r, j in itertools.product(range(0, fmt.m, step[0]), range(0, P.DB, step[1])):
+        r1, j1 = r + step[0] - 1, j + step[1] - 1
+        pairs = [even[r, j], even[r1, j1], odd[r, j], odd[r1, j1]]
+        values = {f"${4 + i}": float(v) for i, v in enumerate(pairs)}
+        place = {"$1": r, "$2": j} if wide else {"$1": j, "$2": r}
+        ptx_sim.run(text, {"$0": out, **place, "$3": row0, **values}, memory=mem)
     got = O.bf16_bits_to_f64(mem.array("out", "<u2", (heads, 512)))
     mine = heads - row0
-    np.testing.assert_array_equal(got[row0:, 128 * chunk : 128 * chunk + 128 : 2], even.T[:mine])
-    np.testing.assert_array_equal(got[row0:, 128 * chunk + 1 : 128 * chunk + 128 : 2], odd.T[:mine])
+    np.testing.assert_array_equal(got[row0:, 128 * chunk : 128 * chunk + 128 : 2], even[:mine])
+    np.testing.assert_array_equal(got[row0:, 128 * chunk + 1 : 128 * chunk + 128 : 2], odd[:mine])
     untouched = np.ones_like(got, bool)
     untouched[row0:, 128 * chunk : 128 * chunk + 128] = False
     assert not got[untouched].any()
@@ -651,6 +657,41 @@ def test_fp8_ptx_is_the_e4m3_value_of_each_words_byte(parity, dtype):
             want = O.E4M3_TABLE[code]
             assert value == want or (math.isnan(want) and math.isnan(value)), (code, value)
             assert math.copysign(1, value) == math.copysign(1, want) or math.isnan(want)
+
+
+@pytest.mark.parametrize("scale", [2.0**-13, 1.0, 2.0**7, 0.3])
+@pytest.mark.parametrize("parity", [0, 1])
+def test_scaled_fp8_ptx_rounds_each_code_times_its_scale_once(parity, scale):
+    """``_fp8_ptx(..., scaled=True)`` (``_wide``'s K and V): every e4m3 code at byte
+    ``parity``, beside a random code, times the float32 scale in $2, rounded to bf16 once:
+    exactly the product for the writer's power-of-two scales (0.3: its float32 product
+    rounded to bf16)."""
+    text = P._fp8_ptx(parity, jnp.bfloat16, scaled=True)
+    bits = int(np.array(scale, np.float32).view(np.uint32))
+    rng = np.random.default_rng(parity)
+    for lo in range(256):
+        hi = int(rng.integers(0, 256))
+        word = lo << 8 * parity | hi << (16 + 8 * parity)
+        (regs,), _ = ptx_sim.run(text, {"$1": word, "$2": bits})
+        for code, value in zip((lo, hi), ptx_sim.bf16_pair(regs["$0"]), strict=True):
+            product = np.float32(O.E4M3_TABLE[code]) * np.float32(scale)
+            want = float(O.round_bf16(np.array([product], np.float64))[0])
+            if scale != 0.3 and math.isfinite(want):
+                assert want == O.E4M3_TABLE[code] * scale, code
+            assert value == want or (math.isnan(want) and math.isnan(value)), (code, value)
+
+
+@pytest.mark.parametrize(
+    "n_q, h, topk, wide",
+    [(128, 128, 2048, True), (128, 64, 2048, True), (3, 40, 64, True), (34, 64, 2048, False)],
+)
+def test_wide_kernel_where_the_grid_needs_no_split(n_q, h, topk, wide):
+    """Past 32 heads ``sparse_mla`` runs ``_wide``'s 64-head CTAs where they fill the GPU
+    without splitting the key lists, else the 32-row kernel's splits; either way one Mosaic
+    GPU call whose SMEM fits (lowering checks it)."""
+    assert K.uses_wide(n_q, h, n_q * topk) == wide
+    text = _lowered_text(n_q, h, 5000, topk)
+    assert len(re.findall(r"stablehlo\.custom_call @mosaic_gpu", text)) == 1
 
 
 @pytest.mark.parametrize("nibble", range(4))

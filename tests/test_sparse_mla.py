@@ -31,20 +31,22 @@ def check(impl, case, out, lse, what="sparse_mla"):
 
 
 @impls.each_sparse
-@pytest.mark.parametrize("h", [1, 12, 16, 40, 128])
+@pytest.mark.parametrize("h", [1, 12, 16, 40, 64, 96, 128])
 def test_heads(impl, h):
-    """Heads in one Mosaic CTA (up to 32) and over several that walk the same keys (40: two,
-    the second with 8 rows; 128: four)."""
+    """Heads in one Mosaic CTA (up to 32; past 32 the 64-head CTAs, the lists being short:
+    40 in one with 24 empty rows, 96 in two, the second half empty) and over several that walk
+    the same keys."""
     case = C.sparse_case(10 + h, n_q=5 if h < 128 else 3, h=h)
     check(impl, case, *run(case, impl))
 
 
 @impls.each_sparse
-@pytest.mark.parametrize("h", [40, 128])
-def test_long_lists_at_many_heads(impl, h):
+@pytest.mark.parametrize("n_q, h, max_len", [(3, 40, 2600), (3, 128, 2600), (34, 128, 1300)])
+def test_long_lists_at_many_heads(impl, n_q, h, max_len):
     """Key lists of up to 40 tiles of 64 at 40 and 128 heads: several Mosaic CTAs per query
-    row, each walking every tile through its ring of record stages many times over."""
-    case = C.sparse_case(30 + h, n_q=3, h=h, n_rec=3000, min_len=100, max_len=2600)
+    row, each walking every tile through its ring of record stages many times over (n_q=3:
+    the 32-row CTAs, the lists split; n_q=34: 68 CTAs of 64 heads, one split each)."""
+    case = C.sparse_case(30 + h + n_q, n_q=n_q, h=h, n_rec=3000, min_len=100, max_len=max_len)
     check(impl, case, *run(case, impl))
 
 

@@ -74,6 +74,7 @@ SMEM_SLACK = 9216  # barriers, reduction scratch and alignment: Mosaic GPU's low
 # bytes beyond the buffers of ``_scratch`` for sparse_mla's 32-row format (its error message
 # names the total when it exceeds 227 KiB)
 MAX_STAGES = 4
+WIDE_ROWS = 64  # rows of a ``_wide`` CTA: wgmma's M
 MIN_SPLIT_TILES = 2  # a split keeps at least this many tiles of an average row
 TARGET_CTAS = 132  # one CTA per H200 SM at a time
 LOG2E = math.log2(math.e)
@@ -104,7 +105,8 @@ class RowFormat(NamedTuple):
     qlen: query positions per request; past 1 the rows are causal: row r (position r // H of
       ``qlen``) sees key positions j <= length - qlen + r // H, and V codes that are NaN are
       zeroed (a hidden NaN key must not reach a row; a visible one already made its score NaN).
-    m: query rows per CTA, 16 or 32 (wgmma's N for the scores and the output).
+    m: query rows per CTA: 16 or 32 (wgmma's N for the scores and the output), or
+      ``WIDE_ROWS`` (``sparse_mla``'s heads as wgmma's M: ``_wide``).
     fp4: UltraQuant slots (``_fp4_scores``): 256-dim K and V of E2M1 codes; a cache row
       holds one slot of ``row_bytes`` per KV head and head block hb reads slot hb.
     page_size: 0 when ``idx`` lists cache rows; else the keys are a paged request's positions
@@ -145,6 +147,11 @@ class RowFormat(NamedTuple):
         """Consumer warpgroups: ``CONSUMERS``, or with ``kv_split`` (UltraQuant) that many
         converting K and as many converting V."""
         return 2 * CONSUMERS if self.kv_split else CONSUMERS
+
+    @property
+    def wide(self) -> bool:
+        """Rows are wgmma's M (``_wide``'s kernel), not its N."""
+        return self.m == WIDE_ROWS
 
     @property
     def causal(self) -> bool:
@@ -248,12 +255,9 @@ def stages_for(fmt: RowFormat) -> int:
     """Row stages that fit in SMEM beside q, P^T and V (bf16) and each consumer's partial
     scores (f32), which also stage its output after the walk."""
     m = fmt.m
-    fixed = (
-        (fmt.q_elems * m + fmt.p_blocks * T * m + fmt.dims * T) * 2
-        + CONSUMERS * T * m * 4
-        + 2 * T * 4
-        + SMEM_SLACK
-    )
+    kv = (fmt.dims + ROPE_DIM * fmt.wide) * T  # ``_wide`` stores the rope's K block too
+    p = 0 if fmt.wide else fmt.p_blocks * T * m  # ``_wide``'s P stays in registers
+    fixed = (fmt.q_elems * m + p + kv) * 2 + CONSUMERS * T * m * 4 + 2 * T * 4 + SMEM_SLACK
     per_row = fmt.pitch + 4 + 4 * len(fmt.scale_words)
     return max(1, min(MAX_STAGES, (SMEM_BYTES - fixed) // (T * per_row)))
 
@@ -916,10 +920,11 @@ def _stage_q_rows(fmt: RowFormat, c: int, q_rows, q_lat, q_rope, row0, q_max):
     asm(q_rows_ptx(fmt, c))
 
 
-def _store_out_rows(fmt: RowFormat, chunk: int, even, odd, out_rows, row0):
+def _store_out_rows(fmt: RowFormat, chunk: int, even, odd, out_rows, row0, ptx=None):
     """O^T blocks ``even`` and ``odd`` [DB, m] f32 (WGMMA layout) of latent chunk ``chunk``
     -> bf16 dims 128 chunk .. + 127 of rows ``row0`` .. of ``out_rows`` [heads, 512] (GMEM):
-    ``out_rows_ptx`` per register, at the (row, column) Mosaic GPU's layout gives it."""
+    ``out_rows_ptx`` per register, at the (row, column) Mosaic GPU's layout gives it (or
+    ``ptx`` with the same operands: ``_wide``'s O blocks [m, DB])."""
     plgpu, mgpu_utils, ir, llvm, _, arith = _mgpu()
     wgmma = plgpu.Layout.WGMMA
 
@@ -927,7 +932,7 @@ def _store_out_rows(fmt: RowFormat, chunk: int, even, odd, out_rows, row0):
     def store(ctx, even, odd, out_rows, row0):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
-        ptx = out_rows_ptx(fmt, chunk)
+        text = ptx or out_rows_ptx(fmt, chunk)
         halves = [arith.constant(i32, k) for k in (0, 1)]
         places = even.layout.thread_idxs(even.shape)  # (row, column) of each register
         for e, o, place in zip(even.registers.flat, odd.registers.flat, places, strict=True):
@@ -936,7 +941,7 @@ def _store_out_rows(fmt: RowFormat, chunk: int, even, odd, out_rows, row0):
             llvm.inline_asm(
                 ir.Type.parse("!llvm.void"),
                 [mgpu_utils.memref_ptr(out_rows), j, r, row0.registers.item(), *values],
-                ptx,
+                text,
                 "l,r,r,r,f,f,f,f",
                 has_side_effects=True,
             )
@@ -1000,19 +1005,30 @@ mov.b32 {c, u}, t;
 cvt.rn.f16x2.e4m3x2 h, c;
 mov.b32 {hl, hh}, h;
 cvt.f32.f16 f0, hl;
-cvt.f32.f16 f1, hh;
+cvt.f32.f16 f1, hh;SCALE
 cvt.rn.bf16x2.f32 $0, f1, f0;
+}"""
+# The scaled bf16 form (``_fp8_operand`` given scales): both values times the key's float32
+# scale ($2's bits) before the one rounding to bf16: exact for power-of-two scales.
+_FP8_SCALE = """
+{
+.reg .f32 s;
+mov.b32 s, $2;
+mul.rn.f32 f0, f0, s;
+mul.rn.f32 f1, f1, s;
 }"""
 
 
-def _fp8_ptx(parity: int, dtype=jnp.bfloat16) -> str:
+def _fp8_ptx(parity: int, dtype=jnp.bfloat16, scaled: bool = False) -> str:
     """``_FP8_PTX`` (``_FP8_F16_PTX`` for float16) for byte ``parity`` (0 low, 1 high) of each
-    of the register's two words."""
+    of the register's two words; ``scaled`` (bf16 only): times the scale in $2
+    (``_FP8_SCALE``)."""
     text = _FP8_F16_PTX if dtype == jnp.float16 else _FP8_PTX
+    text = text.replace("SCALE", _FP8_SCALE if scaled else "")
     return text.replace("SELECT", "0x0031" if parity else "0x0020")
 
 
-def _fp8_operand(words, parity: int, dtype):
+def _fp8_operand(words, parity: int, dtype, scale=None):
     """Byte ``parity`` (0 low, 1 high) of uint16 words [T, n] (WGMMA layout) as the ``dtype``
     (bf16 or float16) values of those e4m3 codes [T, n] (WGMMA layout). A register of the WGMMA
     layout holds two adjacent columns of one row (Mosaic GPU's ``WGMMA_LAYOUT``: vectors of 2
@@ -1020,8 +1036,12 @@ def _fp8_operand(words, parity: int, dtype):
     of words becomes one register of pairs (``_FP8_PTX``: five instructions per pair, float16
     two). Written in PTX because jnp's casts (byte masks, then e4m3 -> f16 -> bf16) cost more:
     on the H200, ``mla_decode`` B=128 seq=32768 qlen=1 took 1214.9 us with them and 1070.9 us
-    with the bf16 PTX, outputs unchanged (the shared suites pass)."""
-    return _pairs_by_ptx(_fp8_ptx(parity, dtype), words, dtype=dtype)
+    with the bf16 PTX, outputs unchanged (the shared suites pass). ``scale`` [T, n] uint32
+    (the float32 bits of each key's scale, WGMMA layout; bf16 only): the values times it,
+    rounded to bf16 once (exact for power-of-two scales)."""
+    if scale is None:
+        return _pairs_by_ptx(_fp8_ptx(parity, dtype), words, dtype=dtype)
+    return _pairs_by_ptx(_fp8_ptx(parity, dtype, scaled=True), words, scale, word=0)
 
 
 # E2M1 -> bf16 in bits: magnitude code m = (e1 e0 m0) as the bf16 bits m << 6 (exponent field
@@ -1087,6 +1107,46 @@ def _fp4_operand(words, scale, n: int):
     per register where two ``prmt`` byte tables took twelve: ``ultraquant_decode`` B=128
     seq=32768 Hk=8 G=8 went from 10171.9 to 8782.0 us on the H200 (one run, both packages)."""
     return _pairs_by_ptx(_fp4_ptx(n % 4), words, scale, word=n // 4)
+
+
+def produce(fmt: RowFormat, s: dict, inputs, groups: int, walk, hb, hbs: int):
+    """The producer warpgroup: tile t of the CTA's keys into stage t % stages once the
+    consumers freed it (``_gather_tile``). ``inputs`` = (cache, idx, zero) as ``_kernel`` takes
+    them, ``groups`` the groups of the call (a paged request's block-table row is idx's
+    ``1 / groups``), ``walk`` = (first position in idx, key count, split start, tiles), ``hb`` /
+    ``hbs`` this CTA's row block and their count (UltraQuant: KV head and heads)."""
+    plgpu = _mgpu()[0]
+    cache, idx_ref, zero = inputs
+    first, length, lo, count = walk
+    stages = stages_for(fmt)
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+    @pl.loop(0, count)
+    def _(t):
+        stage = jax.lax.rem(t, stages)
+
+        @pl.when(t >= stages)
+        def _():
+            plgpu.barrier_wait(s["consumed"].at[stage])
+
+        if fmt.page_size:  # the request's block-table row (first - lo: its list start)
+            width = idx_ref.shape[0] // groups
+            keys, position = idx_ref.at[pl.ds(first - lo, width)], lo + t * T
+        else:
+            keys, position = idx_ref.at[pl.ds(first + t * T, T)], None
+        stage_refs = [
+            cache,
+            keys,
+            s["raw"].at[stage],
+            s["rec_bars"].at[pl.ds(stage, 1)],
+            s["ids"].at[stage],
+            zero,
+            s["ring"],
+        ]
+        if fmt.scale_words:
+            stage_refs.append(s["sc"].at[stage])
+        head = hb * (cache.shape[1] // hbs) if fmt.fp4 else None  # this KV head's slot
+        _gather_tile(fmt, stage_refs, length - t * T, t, head, position)
 
 
 def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
@@ -1171,36 +1231,10 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
     first, length, lo, total = (s["work"][i] for i in range(4))
     count = (length + T - 1) // T
 
-    @pl.when(wg == fmt.consumers)
-    def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-
-        @pl.loop(0, count)
-        def _(t):
-            stage = jax.lax.rem(t, stages)
-
-            @pl.when(t >= stages)
-            def _():
-                plgpu.barrier_wait(s["consumed"].at[stage])
-
-            if fmt.page_size:  # the request's block-table row (first - lo: its list start)
-                width = idx_ref.shape[0] // q_ref.shape[0]
-                keys, position = idx_ref.at[pl.ds(first - lo, width)], lo + t * T
-            else:
-                keys, position = idx_ref.at[pl.ds(first + t * T, T)], None
-            stage_refs = [
-                cache,
-                keys,
-                s["raw"].at[stage],
-                s["rec_bars"].at[pl.ds(stage, 1)],
-                s["ids"].at[stage],
-                zero,
-                s["ring"],
-            ]
-            if fmt.scale_words:
-                stage_refs.append(s["sc"].at[stage])
-            head = hb * (cache.shape[1] // hbs) if fmt.fp4 else None  # this KV head's slot
-            _gather_tile(fmt, stage_refs, length - t * T, t, head, position)
+    walk = (first, length, lo, count)
+    pl.when(wg == fmt.consumers)(
+        functools.partial(produce, fmt, s, (cache, idx_ref, zero), q_ref.shape[0], walk, hb, hbs)
+    )
 
     def fp4_shift():
         """[T, FP4_WORDS] uint32: each column's bit offset of its group's UE8M0 byte in a
@@ -1619,7 +1653,9 @@ def masked_row(fmt: RowFormat) -> np.ndarray:
     return row
 
 
-def attention(fmt: RowFormat, cache, idx, lists, q, score_scale, out_scale, *, finished=True):
+def attention(
+    fmt: RowFormat, cache, idx, lists, q, score_scale, out_scale, *, finished=True, wide=None
+):
     """Runs the kernel: ``cache`` [N, row_bytes] uint8 (``fmt.fp4``: [N, HB * row_bytes]),
     ``idx`` [nnz] int32, ``lists`` the key lists: work entries [G, S, WORK] (``work_lists``)
     or (indptr [G + 1] int32, ``SplitRule``) for the kernel to split; ``q`` [G, heads, 576]
@@ -1631,10 +1667,11 @@ def attention(fmt: RowFormat, cache, idx, lists, q, score_scale, out_scale, *, f
     Returns o [G, S, HB * m, fmt.dims] f32 (natural dim order, each split normalized by its own
     sum and times ``out_scale``; ``finished`` latent formats with one split: [G, 1, heads,
     512] bf16, written by the kernel) and lse [G, S, HB * m] f32 (natural log; -inf without
-    keys).
+    keys). ``wide``: (kernel, scratch) of ``_wide`` for a ``fmt.wide`` format (one split).
     """
     plgpu = _mgpu()[0]
     m = fmt.m
+    kernel, scratch = wide or (_kernel, _scratch)
     if cache.shape[0] >= MAX_ROWS:
         raise NotImplementedError("the Mosaic GPU kernels read int32 record indices")
     rule = None
@@ -1657,9 +1694,9 @@ def attention(fmt: RowFormat, cache, idx, lists, q, score_scale, out_scale, *, f
     else:
         o_type = jax.ShapeDtypeStruct((g, splits, hbs, fmt.dims, m), jnp.float32)
     o_t, lse2 = plgpu.kernel(
-        functools.partial(_kernel, fmt=fmt, rule=rule),
+        functools.partial(kernel, fmt=fmt, rule=rule),
         out_type=(o_type, jax.ShapeDtypeStruct((g, splits, hbs, m), jnp.float32)),
-        scratch_types=_scratch(fmt, rule),
+        scratch_types=scratch(fmt, rule),
         grid=(g * hbs, splits),  # a group's row blocks side by side: their gathers share L2
         grid_names=("gh", "split"),
         num_threads=fmt.consumers + 1,

@@ -22,8 +22,10 @@ import jax
 
 from jax_sparse_mla._platform import by_platform
 from jax_sparse_mla.formats import RECORD_BYTES, ROPE_OFFSET, SCALES_OFFSET
+from jax_sparse_mla.kernels.mosaic import _wide
 from jax_sparse_mla.kernels.mosaic._pipeline import (
     CHUNKS,
+    WIDE_ROWS,
     RowFormat,
     SplitRule,
     T,
@@ -37,18 +39,27 @@ from jax_sparse_mla.kernels.mosaic._pipeline import (
 from jax_sparse_mla.reference.sparse_mla import no_keys
 
 
-def row_format(heads: int) -> RowFormat:
+def row_format(heads: int, wide: bool = False) -> RowFormat:
     """The records' RowFormat for ``heads`` query heads: 16 rows per CTA up to 16 heads, else
-    32; q arrives as it is (``RowFormat.heads``)."""
+    32, or ``wide``: 64 heads as wgmma's M (``_wide``); q arrives as it is
+    (``RowFormat.heads``)."""
     return RowFormat(
         row_bytes=RECORD_BYTES,
         pitch=RECORD_BYTES,  # 164 words: 4 mod 8, bank-conflict free as it is
         scale_words=tuple(SCALES_OFFSET + 4 * c for c in range(CHUNKS)),
         rope_word=ROPE_OFFSET // 2,
         rope_fp8=False,
-        m=rows_per_cta(heads),
+        m=WIDE_ROWS if wide else rows_per_cta(heads),
         heads=heads,
     )
+
+
+def uses_wide(n_q: int, heads: int, nnz: int) -> bool:
+    """Whether ``n_q`` rows of ``heads`` heads and ``nnz`` keys in all run ``_wide``'s kernel:
+    past 32 heads, where 64-head CTAs fill the GPU without splitting the key lists (that
+    kernel writes one split's finished rows)."""
+    blocks = -(-heads // WIDE_ROWS)
+    return heads > 32 and choose_splits(n_q * blocks, nnz / T / n_q) == 1
 
 
 @per_element_vmap
@@ -67,10 +78,11 @@ def sparse_mla_mosaic(q, kv, idx, indptr, sm_scale):
     nnz = idx.shape[0]
     if n_q == 0 or h == 0 or nnz == 0 or records.shape[0] == 0:
         return no_keys(n_q, h)
-    fmt = row_format(h)
+    fmt = row_format(h, wide=uses_wide(n_q, h, nnz))
     splits = choose_splits(n_q * fmt.blocks, nnz / T / n_q)
     lists = (indptr, SplitRule(nnz, splits, T))
-    o, lse = attention(fmt, records, idx, lists, q, sm_scale, 1.0)
+    wide = (_wide.kernel, _wide.scratch) if fmt.wide else None
+    o, lse = attention(fmt, records, idx, lists, q, sm_scale, 1.0, wide=wide)
     return merge_splits(o[:, :, :h], lse[:, :, :h])
 
 
