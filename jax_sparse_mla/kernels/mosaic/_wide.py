@@ -139,26 +139,30 @@ def kernel(*refs, fmt: RowFormat, rule: SplitRule, **smem):
         out_scale = load(s["scale"].at[pl.ds(DB, m)], per_row)
         blocks = range(2 * c * 2, 2 * (c + 1) * 2)  # (chunk, parity) blocks of chunks 2c, 2c + 1
 
-        def scores(stage):
-            """This consumer's partial S [m, T] f32 over its chunks (and the rope): each block
-            converted times its chunk's scales into ``kv``, then one wgmma each."""
+        def convert(stage):
+            """This consumer's blocks of the staged records, converted times their chunk's
+            scales, into ``kv`` (consumer 0 also the rope's); then the stage is free."""
             scale_bits = [load(s["sc"].at[stage, b // 2], per_row) for b in blocks[::2]]
+            for b in blocks:
+                if b % 2 == 0:  # one load of the chunk's words serves both parities
+                    w = load(s["raw"].at[stage, :, pl.ds(DB * (b // 2), DB)], wgmma)
+                    bits = scale_bits[(b - blocks[0]) // 2]
+                    sc = jax.lax.broadcast_in_dim(bits, (T, DB), [0])
+                k = _fp8_operand(w, b % 2, jnp.bfloat16, sc)
+                if b == blocks[0]:  # the last tile's P @ V ran on until here
+                    plgpu.wgmma_wait(0)
+                s["kv"][b] = k
+            if c == 0:
+                w = load(s["raw"].at[stage, :, pl.ds(fmt.rope_word, ROPE_DIM)], wgmma)
+                s["kv"][ROPE_BLOCK] = jax.lax.bitcast_convert_type(w, jnp.bfloat16)
+            plgpu.barrier_arrive(s["consumed"].at[stage])  # its reads of the stage are done
+            plgpu.commit_smem()  # ``kv`` visible to wgmma
+
+        def scores():
+            """This consumer's partial S [m, T] f32 over its blocks of ``kv`` (and the rope):
+            its accumulator is allocated only now, after the conversion's registers."""
 
             def run(acc):
-                for b in blocks:
-                    if b % 2 == 0:  # one load of the chunk's words serves both parities
-                        w = load(s["raw"].at[stage, :, pl.ds(DB * (b // 2), DB)], wgmma)
-                        bits = scale_bits[(b - blocks[0]) // 2]
-                        sc = jax.lax.broadcast_in_dim(bits, (T, DB), [0])
-                    k = _fp8_operand(w, b % 2, jnp.bfloat16, sc)
-                    if b == blocks[0]:  # the last tile's P @ V ran on until here
-                        plgpu.wgmma_wait(0)
-                    s["kv"][b] = k
-                if c == 0:
-                    w = load(s["raw"].at[stage, :, pl.ds(fmt.rope_word, ROPE_DIM)], wgmma)
-                    s["kv"][ROPE_BLOCK] = jax.lax.bitcast_convert_type(w, jnp.bfloat16)
-                plgpu.barrier_arrive(s["consumed"].at[stage])  # its reads of the stage are done
-                plgpu.commit_smem()  # ``kv`` visible to wgmma
                 for b in blocks:
                     plgpu.wgmma(acc, s["q_lat"].at[b], s["kv"].at[b].transpose((1, 0)))
                 if c == 0:
@@ -173,7 +177,8 @@ def kernel(*refs, fmt: RowFormat, rule: SplitRule, **smem):
             stage = jax.lax.rem(t, stages)
             _wait(s["rec_bars"].at[pl.ds(stage, 1)], jax.lax.rem(t // stages, 2))
             ids = load(s["ids"].at[stage], per_key)
-            mine = scores(stage)
+            convert(stage)
+            mine = scores()
             s["s"][c] = mine
             _consumers_barrier()  # both partial scores are in SMEM
             parts = [mine if i == c else load(s["s"].at[i], wgmma) for i in range(CONSUMERS)]
