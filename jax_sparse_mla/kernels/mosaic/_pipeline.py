@@ -3,9 +3,11 @@
 The Mosaic kernels (``sparse_mla`` over fp8_ds_mla records, ``mla_decode`` over the fp8 latent
 cache, ``ultraquant_decode`` over 4-bit UltraQuant slots) run this one kernel body, told apart by
 a ``RowFormat``; the text below describes the latent formats, ``_fp4_scores`` what UltraQuant
-does differently (its own K and V of 256 dims, read as uint32 words). One CTA owns ``m`` = 16 or 32
-query rows (heads, or a request's (position, head) rows) and one split of a key list, walked in
-tiles of ``T`` = 64 keys. Three warpgroups (UltraQuant: five, ``RowFormat.kv_split``):
+does differently (its own K and V of 256 dims, read as uint32 words); ``_wide`` runs
+``sparse_mla``'s 64-head CTAs with this producer and consumers of their own. One CTA owns
+``m`` = 16 or 32 query rows (heads, or a request's (position, head) rows) and one split of a
+key list, walked in tiles of ``T`` = 64 keys. Three warpgroups (UltraQuant: five,
+``RowFormat.kv_split``):
 
 * the producer gathers a tile into a ring of SMEM stages: lane j of its 128 threads takes index
   j of the tile and copies that key's cache row into SMEM row j with one ``cp.async.bulk``

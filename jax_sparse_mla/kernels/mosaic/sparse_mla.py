@@ -10,6 +10,12 @@ heads: at 128 heads, 32 rows per CTA (two record stages) took 470.4 against 634.
 and 3618.1 against 4815.3 at n_q=1024 on the H200 (``bench.py``, two runs of 2026-12-02). The
 rope is 64 bf16 values: one operand block.
 
+Past 32 heads, where CTAs of 64 heads fill the GPU without splitting the key lists
+(``uses_wide``), ``_wide``'s kernel runs instead: the heads are wgmma's M, the records are
+converted times their scales into a bf16 K tile in SMEM, and 128 heads convert each record
+twice, not four times. On the H200 it took n_q=128 H=128 from 426.9 to 240.2 us (171 to 304
+TFLOP/s) and n_q=1024 from 3321.7 to 1849.4 us (2026-12-03, ``bench.py``).
+
 The kernel takes q, indptr and (with one split) returns the output as they are: its consumers
 stage q's rows into operand blocks themselves, thread 0 cuts the CTA's key list out of indptr,
 and the output rows are written as bf16 from the accumulators, so that a call is the kernel
