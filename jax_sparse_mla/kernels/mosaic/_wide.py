@@ -137,7 +137,8 @@ def kernel(*refs, fmt: RowFormat, rule: SplitRule, **smem):
         plgpu.commit_smem()  # q visible to this warpgroup's wgmmas
         score_scale = load(s["scale"].at[pl.ds(0, m)], per_row)
         out_scale = load(s["scale"].at[pl.ds(DB, m)], per_row)
-        blocks = range(2 * c * 2, 2 * (c + 1) * 2)  # (chunk, parity) blocks of chunks 2c, 2c + 1
+        own = fmt.own_blocks  # (chunk, parity) blocks: those of chunks 2c and 2c + 1
+        blocks = range(own * c, own * (c + 1))
 
         def convert(stage):
             """This consumer's blocks of the staged records, converted times their chunk's
