@@ -1111,6 +1111,40 @@ def _fp4_operand(words, scale, n: int):
     return _pairs_by_ptx(_fp4_ptx(n % 4), words, scale, word=n // 4)
 
 
+def softmax_start(m: int, layout):
+    """The online softmax's running max and sum before the first tile: [m] f32 each, in
+    ``layout`` (a row's value)."""
+    plgpu = _mgpu()[0]
+    m0 = plgpu.layout_cast(jnp.full((m,), -jnp.inf, jnp.float32), layout)
+    l0 = plgpu.layout_cast(jnp.full((m,), 0.0, jnp.float32), layout)
+    return m0, l0
+
+
+def softmax_step(sc, m_run, m_new, by_row):
+    """alpha [m] (the old accumulators' factor) and P f32 for the masked scores ``sc`` (log2
+    units; S^T [T, m] or S [m, T]) moving the running max from ``m_run`` to ``m_new``;
+    ``by_row`` broadcasts [m] values over ``sc``'s shape."""
+    m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    return jnp.exp2(m_run - m_ref), jnp.exp2(sc - by_row(m_ref))
+
+
+def out_factor(out_scale, l_run):
+    """Whether each row had keys, and its output's factor: ``out_scale`` / the sum, or 0."""
+    has = l_run != 0
+    return has, jnp.where(has, out_scale / jnp.where(has, l_run, 1.0), 0.0)
+
+
+def write_lse(lse_smem, lse_dst, m_run, l_run, has):
+    """Rows' lse (natural log of the sum from the running max ``m_run`` in log2 units; -inf
+    without keys) through ``lse_smem`` [m] f32 to ``lse_dst`` (GMEM)."""
+    plgpu = _mgpu()[0]
+    lse_smem[...] = jnp.where(
+        has, (m_run + jnp.log2(jnp.where(has, l_run, 1.0))) * (1 / LOG2E), -jnp.inf
+    )
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
+
+
 def produce(fmt: RowFormat, s: dict, inputs, groups: int, walk, hb, hbs: int):
     """The producer warpgroup: tile t of the CTA's keys into stage t % stages once the
     consumers freed it (``_gather_tile``). ``inputs`` = (cache, idx, zero) as ``_kernel`` takes
@@ -1267,23 +1301,6 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             cols = pl.ds(FP4_WORDS * (n % 4), FP4_WORDS)
             s["v"][2 * c + n // 4, :, cols] = _fp4_operand(words, scale, n)
 
-    def softmax_start():
-        """The online softmax's running max and sum before the first tile: [m] f32 each."""
-        m0 = plgpu.layout_cast(jnp.full((m,), -jnp.inf, jnp.float32), per_row)
-        l0 = plgpu.layout_cast(jnp.full((m,), 0.0, jnp.float32), per_row)
-        return m0, l0
-
-    def softmax_step(sc_t, m_run, m_new):
-        """alpha [m] (the old accumulators' factor) and P^T [T, m] f32 for the masked scores
-        ``sc_t`` (log2 units) moving the running max from ``m_run`` to ``m_new``."""
-        m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        return jnp.exp2(m_run - m_ref), jnp.exp2(sc_t - by_row(m_ref))
-
-    def out_factor(out_scale, l_run):
-        """Whether each row had keys, and its output's factor: ``out_scale`` / the sum, or 0."""
-        has = l_run != 0
-        return has, jnp.where(has, out_scale / jnp.where(has, l_run, 1.0), 0.0)
-
     def store_o_t(c, blocks, accs, inv_l):
         """The O^T accumulators [DB, m] f32 of ``blocks`` times ``inv_l`` to ``o``, each
         staged through ``s[c]``."""
@@ -1295,12 +1312,8 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             plgpu.commit_smem()  # (a warpgroup barrier) s[c] is free again for every thread
 
     def store_lse(m_run, l_run, has):
-        """Rows' lse (natural log; -inf without keys) to ``lse``."""
-        s["lse"][pl.ds(0, m)] = jnp.where(
-            has, (m_run + jnp.log2(jnp.where(has, l_run, 1.0))) * (1 / LOG2E), -jnp.inf
-        )
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(s["lse"].at[pl.ds(0, m)], lse_ref.at[g, split, hb])
+        """Rows' lse to ``lse`` (``write_lse``)."""
+        write_lse(s["lse"].at[pl.ds(0, m)], lse_ref.at[g, split, hb], m_run, l_run, has)
 
     def consume(c: int):
         plgpu.set_max_registers(consumer_registers(), action="increase")
@@ -1411,7 +1424,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             _consumers_barrier()  # the running max is in SMEM; every partial has been read
             if c != 0:
                 m_new = load(s["ml"].at[pl.ds(0, m)], per_row)
-            alpha, p = softmax_step(sc_t, m_run, m_new)
+            alpha, p = softmax_step(sc_t, m_run, m_new, by_row)
             if c == 0:
                 l_run = l_run * alpha + p.sum(axis=0)
             if chunk_scales:
@@ -1429,7 +1442,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
 
         def all_tiles(acc_refs):
             step = functools.partial(tile, acc_refs=acc_refs)
-            m_run, l_run = jax.lax.fori_loop(0, count, step, softmax_start())
+            m_run, l_run = jax.lax.fori_loop(0, count, step, softmax_start(m, per_row))
             return m_run, l_run, [a[...] for a in acc_refs]
 
         m_run, l_run, accs = pl.run_scoped(all_tiles, [plgpu.ACC((DB, m), jnp.float32)] * own)
@@ -1482,7 +1495,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             visible = by_key(ids) >= 0
             sc_t = jnp.where(visible, sc_t * by_row(score_scale), -jnp.inf)  # log2 units
             m_new = jnp.maximum(m_run, sc_t.max(axis=0))
-            alpha, p = softmax_step(sc_t, m_run, m_new)
+            alpha, p = softmax_step(sc_t, m_run, m_new, by_row)
             l_run = l_run * alpha + p.sum(axis=0)
             slot = jax.lax.rem(t, 2)
 
@@ -1496,7 +1509,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             plgpu.barrier_arrive(s["p_full"].at[slot])
             return m_new, l_run
 
-        m_run, l_run = jax.lax.fori_loop(0, count, tile, softmax_start())
+        m_run, l_run = jax.lax.fori_loop(0, count, tile, softmax_start(m, per_row))
         if c == 0:
             s["ml"][pl.ds(DB, m)] = l_run
         _consumers_barrier(ALL_CONSUMERS_BARRIER, fmt.consumers)  # the sum is in SMEM

@@ -43,7 +43,6 @@ from jax_sparse_mla.kernels.mosaic._pipeline import (
     CONSUMERS,
     DB,
     LATENT_BLOCKS,
-    LOG2E,
     WORK,
     RowFormat,
     SplitRule,
@@ -58,8 +57,12 @@ from jax_sparse_mla.kernels.mosaic._pipeline import (
     _wait,
     consumer_registers,
     load,
+    out_factor,
     produce,
+    softmax_start,
+    softmax_step,
     stages_for,
+    write_lse,
 )
 
 ROPE_BLOCK = LATENT_BLOCKS  # ``kv``'s block of the rope's 64 bf16 dims
@@ -185,11 +188,9 @@ def kernel(*refs, fmt: RowFormat, rule: SplitRule, **smem):
             parts = [mine if i == c else load(s["s"].at[i], wgmma) for i in range(CONSUMERS)]
             _consumers_barrier()  # both have been read: the next tile may overwrite them
             visible = jax.lax.broadcast_in_dim(ids, (m, T), [1]) >= 0
-            sc_t = jnp.where(visible, (parts[0] + parts[1]) * by_head(score_scale), -jnp.inf)
-            m_new = jnp.maximum(m_run, sc_t.max(axis=1))
-            m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m_run - m_ref)
-            p = jnp.exp2(sc_t - by_head(m_ref))
+            sc = jnp.where(visible, (parts[0] + parts[1]) * by_head(score_scale), -jnp.inf)
+            m_new = jnp.maximum(m_run, sc.max(axis=1))
+            alpha, p = softmax_step(sc, m_run, m_new, by_head)
             l_run = l_run * alpha + p.sum(axis=1)
             p16 = p.astype(jnp.bfloat16)
             for i, b in enumerate(blocks):  # P @ V runs on into the next tile (``scores``)
@@ -200,28 +201,19 @@ def kernel(*refs, fmt: RowFormat, rule: SplitRule, **smem):
 
         def all_tiles(acc_refs):
             step = functools.partial(tile, acc_refs=acc_refs)
-            start = (
-                plgpu.layout_cast(jnp.full((m,), -jnp.inf, jnp.float32), per_row),
-                plgpu.layout_cast(jnp.full((m,), 0.0, jnp.float32), per_row),
-            )
-            m_run, l_run = jax.lax.fori_loop(0, count, step, start)
+            m_run, l_run = jax.lax.fori_loop(0, count, step, softmax_start(m, per_row))
             return m_run, l_run, [a[...] for a in acc_refs]
 
         accs_shape = [plgpu.ACC((m, DB), jnp.float32)] * len(blocks)
         m_run, l_run, accs = pl.run_scoped(all_tiles, accs_shape)
-        has = l_run != 0
-        inv_l = jnp.where(has, out_scale / jnp.where(has, l_run, 1.0), 0.0)
+        has, inv_l = out_factor(out_scale, l_run)
         for i in range(0, len(blocks), 2):  # each chunk's even and odd blocks: bf16 rows
             even, odd = (accs[k] * by_head(inv_l, DB) for k in (i, i + 1))
             chunk = blocks[i] // 2
             ptx = out_rows_ptx(fmt, chunk)
             _store_out_rows(fmt, chunk, even, odd, o_ref.at[g], hb * m, ptx)
         if c == 0:
-            s["lse"][...] = jnp.where(
-                has, (m_run + jnp.log2(jnp.where(has, l_run, 1.0))) * (1 / LOG2E), -jnp.inf
-            )
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(s["lse"], lse_ref.at[g, 0, hb])
+            write_lse(s["lse"], lse_ref.at[g, 0, hb], m_run, l_run, has)
             plgpu.wait_smem_to_gmem(0)
 
     for c in range(CONSUMERS):
