@@ -681,6 +681,25 @@ def test_scaled_fp8_ptx_rounds_each_code_times_its_scale_once(parity, scale):
             assert value == want or (math.isnan(want) and math.isnan(value)), (code, value)
 
 
+def test_wide_kernel_refuses_splits_by_name():
+    """The 64-head kernel has no split partials: asked for splits it raises, never writes
+    finished rows where partials are expected."""
+    fmt = K.row_format(128, wide=True)
+    args = (
+        jax.ShapeDtypeStruct((1000, 656), jnp.uint8),
+        jax.ShapeDtypeStruct((64,), jnp.int32),
+        jax.ShapeDtypeStruct((2,), jnp.int32),
+        jax.ShapeDtypeStruct((1, 128, 576), jnp.bfloat16),
+    )
+
+    def call(kv, idx, indptr, q):
+        lists = (indptr, P.SplitRule(64, 2, P.T))
+        return P.attention(fmt, kv, idx, lists, q, 0.1, 1.0, wide=(W.kernel, W.scratch))
+
+    with pytest.raises(NotImplementedError, match="split partials are not written yet"):
+        jax.eval_shape(call, *args)
+
+
 @pytest.mark.parametrize(
     "n_q, h, topk, wide",
     [(128, 128, 2048, True), (128, 64, 2048, True), (3, 40, 64, True), (34, 64, 2048, False)],

@@ -1695,6 +1695,11 @@ def attention(
     g = q.shape[0]
     hbs = q.shape[1] if fmt.fp4 else fmt.blocks
     splits = rule.splits if rule else lists.shape[1]
+    if fmt.wide and not (finished and splits == 1):
+        raise NotImplementedError(
+            "the 64-head Mosaic kernel (_wide) writes one split's finished rows; its split "
+            "partials are not written yet (sparse_mla.uses_wide picks it only without splits)"
+        )
     static = is_static_scalar(score_scale) and is_static_scalar(out_scale)
     xp = np if static else jnp  # static scales make an XLA constant, not a kernel
     scales = [xp.float32(score_scale) * xp.float32(LOG2E), xp.float32(out_scale)]
