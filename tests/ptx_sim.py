@@ -247,10 +247,13 @@ def _step(line: str, regs: dict, memory: Memory | None, barriers: dict) -> None:
         data = memory.read(_address(src, regs), 4 * len(dsts), "global")
         for i, dst in enumerate(dsts):
             regs[dst] = int.from_bytes(data[4 * i : 4 * i + 4], "little")
-    elif op.startswith("st.shared.v"):  # st.shared.vN.b32 [a], {s0, ..}
+    elif op.startswith(("st.shared.v", "st.global.v")):  # st.SPACE.vN.b32 [a], {s0, ..}
         dst, *srcs = operands
-        data = b"".join((regs[x] & MASK["32"]).to_bytes(4, "little") for x in srcs)
-        memory.write(_address(dst, regs), data, "shared")
+        if op.endswith(".f32"):  # registers holding Python floats
+            data = np.array([regs[x] for x in srcs], "<f4").tobytes()
+        else:
+            data = b"".join((regs[x] & MASK["32"]).to_bytes(4, "little") for x in srcs)
+        memory.write(_address(dst, regs), data, op.split(".")[1])
     elif op in ("cp.async.ca.shared.global", "cp.async.cg.shared.global"):
         dst, src, size = operands
         data = memory.read(_address(src, regs), int(size), "global")

@@ -149,20 +149,23 @@ def test_q_rows_ptx_stages_the_operand_blocks_of_the_ctas_rows(fmt, row0):
         np.testing.assert_array_equal(rope[0], rows[:, 512:])
 
 
-@pytest.mark.parametrize("wide", [False, True])
-def test_out_rows_ptx_interleaves_each_chunks_even_and_odd_dims_into_bf16_rows(wide):
+@pytest.mark.parametrize("kind", ["transposed", "wide", "wide partial"])
+def test_out_rows_ptx_interleaves_each_chunks_even_and_odd_dims_into_rows(kind):
     """``out_rows_ptx`` run for every register of one chunk's two output blocks as the WGMMA
     layout's would hold them: rows row0 + r, dims 128c + 2j and + 1 hold even[r, j] and
-    odd[r, j] as bf16; rows past ``heads`` are never written (the buffer ends there). O^T
-    blocks [DB, m] (a register: (j, r) and (j, r + 1)), or ``_wide``'s O blocks [64, DB] (a
-    register: (r, j) and (r, j + 1))."""
+    odd[r, j] (as bf16, or as f32 for ``_wide``'s split partials); rows past ``heads`` are
+    never written (the buffer ends there). O^T blocks [DB, m] (a register: (j, r) and (j, r +
+    1)), or ``_wide``'s O blocks [64, DB] (a register: (r, j) and (r, j + 1))."""
+    wide, partial = kind != "transposed", kind == "wide partial"
     heads, row0, chunk = (100, 64, 3) if wide else (20, 16, 2)
     fmt = K.row_format(heads, wide=wide)
     rng = np.random.default_rng(5)
-    even, odd = (O.round_bf16(rng.normal(size=(fmt.m, P.DB))) for _ in range(2))
+    values_of = (lambda x: x.astype(np.float32)) if partial else O.round_bf16
+    even, odd = (values_of(rng.normal(size=(fmt.m, P.DB))) for _ in range(2))
     mem = ptx_sim.Memory()
-    out = mem.add("out", np.zeros((heads, 512), "<u2"), "global")
-    text = W.out_rows_ptx(fmt, chunk) if wide else P.out_rows_ptx(fmt, chunk)
+    dtype = "<f4" if partial else "<u2"
+    out = mem.add("out", np.zeros((heads, 512), dtype), "global")
+    text = W.out_rows_ptx(fmt, chunk, partial) if wide else P.out_rows_ptx(fmt, chunk)
     step = (1, 2) if wide else (2, 1)  # the register's second value: column j + 1, or row r + 1
     for r, j in itertools.product(range(0, fmt.m, step[0]), range(0, P.DB, step[1])):
         r1, j1 = r + step[0] - 1, j + step[1] - 1
@@ -170,7 +173,8 @@ def test_out_rows_ptx_interleaves_each_chunks_even_and_odd_dims_into_bf16_rows(w
         values = {f"${4 + i}": float(v) for i, v in enumerate(pairs)}
         place = {"$1": r, "$2": j} if wide else {"$1": j, "$2": r}
         ptx_sim.run(text, {"$0": out, **place, "$3": row0, **values}, memory=mem)
-    got = O.bf16_bits_to_f64(mem.array("out", "<u2", (heads, 512)))
+    got = mem.array("out", dtype, (heads, 512))
+    got = got.astype(np.float64) if partial else O.bf16_bits_to_f64(got)
     mine = heads - row0
     np.testing.assert_array_equal(got[row0:, 128 * chunk : 128 * chunk + 128 : 2], even[:mine])
     np.testing.assert_array_equal(got[row0:, 128 * chunk + 1 : 128 * chunk + 128 : 2], odd[:mine])
@@ -681,9 +685,9 @@ def test_scaled_fp8_ptx_rounds_each_code_times_its_scale_once(parity, scale):
             assert value == want or (math.isnan(want) and math.isnan(value)), (code, value)
 
 
-def test_wide_kernel_refuses_splits_by_name():
-    """The 64-head kernel has no split partials: asked for splits it raises, never writes
-    finished rows where partials are expected."""
+def test_wide_kernel_refuses_unfinished_partials_by_name():
+    """The 64-head kernel writes rows in the natural dim order: asked for the O^T partials a
+    caller merges itself (``finished=False``), it raises rather than write another layout."""
     fmt = K.row_format(128, wide=True)
     args = (
         jax.ShapeDtypeStruct((1000, 656), jnp.uint8),
@@ -694,20 +698,31 @@ def test_wide_kernel_refuses_splits_by_name():
 
     def call(kv, idx, indptr, q):
         lists = (indptr, P.SplitRule(64, 2, P.T))
-        return P.attention(fmt, kv, idx, lists, q, 0.1, 1.0, wide=(W.kernel, W.scratch))
+        wide = (W.kernel, W.scratch)
+        return P.attention(fmt, kv, idx, lists, q, 0.1, 1.0, finished=False, wide=wide)
 
-    with pytest.raises(NotImplementedError, match="split partials are not written yet"):
+    with pytest.raises(NotImplementedError, match="writes finished latent rows"):
         jax.eval_shape(call, *args)
 
 
 @pytest.mark.parametrize(
     "n_q, h, topk, wide",
-    [(128, 128, 2048, True), (128, 64, 2048, True), (3, 40, 64, True), (34, 64, 2048, False)],
+    [
+        (128, 128, 2048, True),
+        (128, 64, 2048, True),
+        (3, 40, 64, True),
+        (34, 64, 2048, True),
+        (17, 128, 2048, True),
+        (16, 128, 2048, False),
+        (1, 128, 2048, False),
+        (16, 32, 64, False),
+    ],
 )
-def test_wide_kernel_where_the_grid_needs_no_split(n_q, h, topk, wide):
-    """Past 32 heads ``sparse_mla`` runs ``_wide``'s 64-head CTAs where they fill the GPU
-    without splitting the key lists, else the 32-row kernel's splits; either way one Mosaic
-    GPU call whose SMEM fits (lowering checks it)."""
+def test_wide_kernel_past_32_heads_but_at_few_rows_with_splits(n_q, h, topk, wide):
+    """Past 32 heads ``sparse_mla`` runs ``_wide``'s 64-head CTAs from ``WIDE_MIN_ROWS`` query
+    rows on (their key lists split where the grid needs it) or where they fill the GPU without
+    splits, else the 32-row kernel's splits; either way one Mosaic GPU call whose SMEM fits
+    (lowering checks it)."""
     assert K.uses_wide(n_q, h, n_q * topk) == wide
     text = _lowered_text(n_q, h, 5000, topk)
     assert len(re.findall(r"stablehlo\.custom_call @mosaic_gpu", text)) == 1

@@ -41,11 +41,15 @@ def test_heads(impl, h):
 
 
 @impls.each_sparse
-@pytest.mark.parametrize("n_q, h, max_len", [(3, 40, 2600), (3, 128, 2600), (34, 128, 1300)])
+@pytest.mark.parametrize(
+    "n_q, h, max_len",
+    [(3, 40, 2600), (3, 128, 2600), (34, 128, 1300), (20, 40, 1300), (18, 96, 700)],
+)
 def test_long_lists_at_many_heads(impl, n_q, h, max_len):
-    """Key lists of up to 40 tiles of 64 at 40 and 128 heads: several Mosaic CTAs per query
+    """Key lists of up to 40 tiles of 64 at 40 to 128 heads: several Mosaic CTAs per query
     row, each walking every tile through its ring of record stages many times over (n_q=3:
-    the 32-row CTAs, the lists split; n_q=34: 68 CTAs of 64 heads, one split each)."""
+    the 32-row CTAs, the lists split; n_q=34: 68 CTAs of 64 heads, one split each; n_q=20 and
+    18: CTAs of 64 heads, the lists split, rows past the heads in the last CTA unused)."""
     case = C.sparse_case(30 + h + n_q, n_q=n_q, h=h, n_rec=3000, min_len=100, max_len=max_len)
     check(impl, case, *run(case, impl))
 

@@ -1682,7 +1682,8 @@ def attention(
     Returns o [G, S, HB * m, fmt.dims] f32 (natural dim order, each split normalized by its own
     sum and times ``out_scale``; ``finished`` latent formats with one split: [G, 1, heads,
     512] bf16, written by the kernel) and lse [G, S, HB * m] f32 (natural log; -inf without
-    keys). ``wide``: (kernel, scratch) of ``_wide`` for a ``fmt.wide`` format (one split).
+    keys). ``wide``: (kernel, scratch) of ``_wide`` for a ``fmt.wide`` format (``finished``
+    only; its split partials leave rows past ``fmt.heads`` unwritten).
     """
     plgpu = _mgpu()[0]
     m = fmt.m
@@ -1695,11 +1696,8 @@ def attention(
     g = q.shape[0]
     hbs = q.shape[1] if fmt.fp4 else fmt.blocks
     splits = rule.splits if rule else lists.shape[1]
-    if fmt.wide and not (finished and splits == 1):
-        raise NotImplementedError(
-            "the 64-head Mosaic kernel (_wide) writes one split's finished rows; its split "
-            "partials are not written yet (sparse_mla.uses_wide picks it only without splits)"
-        )
+    if fmt.wide and not finished:
+        raise NotImplementedError("the 64-head Mosaic kernel (_wide) writes finished latent rows")
     static = is_static_scalar(score_scale) and is_static_scalar(out_scale)
     xp = np if static else jnp  # static scales make an XLA constant, not a kernel
     scales = [xp.float32(score_scale) * xp.float32(LOG2E), xp.float32(out_scale)]
@@ -1711,6 +1709,8 @@ def attention(
         inputs += [rowpos, np.arange(64, dtype=np.int32)]
     if finished and not fmt.fp4 and splits == 1:
         o_type = jax.ShapeDtypeStruct((g, fmt.heads, LATENT_DIM), jnp.bfloat16)
+    elif fmt.wide:  # rows in the natural dim order
+        o_type = jax.ShapeDtypeStruct((g, splits, hbs * m, LATENT_DIM), jnp.float32)
     else:
         o_type = jax.ShapeDtypeStruct((g, splits, hbs, fmt.dims, m), jnp.float32)
     o_t, lse2 = plgpu.kernel(
@@ -1730,6 +1730,8 @@ def attention(
     lse = lse2.reshape(g, splits, hbs * m)
     if o_t.dtype == jnp.bfloat16:
         return o_t[:, None], lse
+    if fmt.wide:
+        return o_t, lse
     o = o_t.swapaxes(-1, -2).reshape(g, splits, hbs * m, fmt.dims)
     return unpermute_fp4(o) if fmt.fp4 else unpermute_out(o), lse
 

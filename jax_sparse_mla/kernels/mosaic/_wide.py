@@ -4,7 +4,8 @@
 converted in registers as the A operand. Past 32 heads that converts every record once per
 32 heads and issues the softmax and P @ V for few columns per instruction; at 128 heads it
 stayed near 170 TFLOP/s on the H200. Here a CTA owns ``WIDE_ROWS`` = 64 heads of one query
-row, as FlashMLA's SM90 kernel does, and the heads are wgmma's M:
+row and one split of its key list, as FlashMLA's SM90 kernel does, and the heads are wgmma's
+M:
 
 * the producer is ``_pipeline``'s (``produce``): a record per lane with ``cp.async.bulk``, its
   four scales with ``cp.async``, into one stage (two do not fit beside the bf16 K tile);
@@ -25,8 +26,9 @@ Numerics differ from ``_pipeline``'s in where the chunk scales go: into K and V 
 of bf16 values, f32 accumulation), onto the partial scores and P there; P rounds to bf16
 unscaled. A scale that is not a power of two makes K and V round once (relative 2^-9).
 
-One split only: the kernel writes the finished bf16 rows and the lse (natural log) itself;
-``sparse_mla`` takes this kernel where its grid fills the GPU without splitting the key lists.
+With one split the kernel writes the finished bf16 rows and the lse (natural log) itself;
+with more, each split's f32 rows (normalized by its own sum, the dims in their natural order:
+one 16-byte store per register pair) and lse, which ``merge_splits`` combines.
 """
 
 from __future__ import annotations
@@ -68,12 +70,24 @@ from jax_sparse_mla.kernels.mosaic._pipeline import (
 ROPE_BLOCK = LATENT_BLOCKS  # ``kv``'s block of the rope's 64 bf16 dims
 
 
-def out_rows_ptx(fmt: RowFormat, chunk: int) -> str:
+def out_rows_ptx(fmt: RowFormat, chunk: int, partial: bool = False) -> str:
     """One register of the WGMMA layout of latent chunk ``chunk``'s two O blocks [64 heads,
-    DB] -> four bf16 of output row $3 + $1 ([heads, 512] bf16, $0): $2 the register's first
-    column j (dims 128 chunk + 2j .. + 3), $4, $5 the even block's values at (r, j), (r, j +
-    1), $6, $7 the odd block's; rows past ``fmt.heads`` none. Rounding is round to nearest
-    even (``astype(bfloat16)``)."""
+    DB] -> four values of output row $3 + $1 ($0: [rows, 512], bf16 finished rows or, given
+    ``partial``, f32 split partials): $2 the register's first column j (dims 128 chunk + 2j
+    .. + 3), $4, $5 the even block's values at (r, j), (r, j + 1), $6, $7 the odd block's; rows
+    past ``fmt.heads`` none. bf16 rounds to nearest even (``astype(bfloat16)``); f32 is one
+    16-byte store (j is even, so the four dims start at a multiple of 16 bytes)."""
+    size = 4 if partial else 2
+    store = (
+        ["@ok st.global.v4.f32 [a], {$4, $6, $5, $7};"]
+        if partial
+        else [
+            "cvt.rn.bf16x2.f32 lo, $6, $4;",
+            "cvt.rn.bf16x2.f32 hi, $7, $5;",
+            "@ok st.global.b32 [a], lo;",
+            "@ok st.global.b32 [a+4], hi;",
+        ]
+    )
     return "\n".join(
         [
             "{",
@@ -84,25 +98,24 @@ def out_rows_ptx(fmt: RowFormat, chunk: int) -> str:
             "shl.b32 off, $2, 1;",
             f"mad.lo.s32 off, row, {LATENT_DIM}, off;",
             f"add.u32 off, off, {128 * chunk};",
-            "mul.wide.u32 a, off, 2;",
+            f"mul.wide.u32 a, off, {size};",
             "add.u64 a, a, $0;",
             f"setp.lt.u32 ok, row, {fmt.heads};",
-            "cvt.rn.bf16x2.f32 lo, $6, $4;",
-            "cvt.rn.bf16x2.f32 hi, $7, $5;",
-            "@ok st.global.b32 [a], lo;",
-            "@ok st.global.b32 [a+4], hi;",
+            *store,
             "}",
         ]
     )
 
 
 def kernel(*refs, fmt: RowFormat, rule: SplitRule, **smem):
-    """One CTA: heads [hb * 64, hb * 64 + 64) of query row g, all of its keys.
+    """One CTA: heads [hb * 64, hb * 64 + 64) of query row g, split ``split`` of its keys.
 
     Inputs (GMEM) as ``_pipeline._kernel``'s with ``rule``: records [N, 656] uint8, idx [nnz]
     int32, zero [656] uint8 (``masked_row``), q [G, heads, 576] bf16, indptr [G + 1] int32,
     scale [128] f32 (the score scale in log2 units, then the output scale). Outputs: o [G,
-    heads, 512] bf16, lse [G, 1, HB, 64] f32 (natural log; -inf for a row without keys).
+    heads, 512] bf16 (one split), or [G, S, HB * 64, 512] f32 (each split normalized by its own
+    sum; rows past ``heads`` unwritten); lse [G, S, HB, 64] f32 (natural log; -inf for a row
+    without keys).
     """
     plgpu = _mgpu()[0]
     m = fmt.m
@@ -111,6 +124,9 @@ def kernel(*refs, fmt: RowFormat, rule: SplitRule, **smem):
     hbs = lse_ref.shape[2]
     g = jax.lax.div(jax.lax.axis_index("gh"), hbs)
     hb = jax.lax.rem(jax.lax.axis_index("gh"), hbs)
+    split = jax.lax.axis_index("split")
+    partial = o_ref.dtype == jnp.float32  # split partials, not finished rows
+    o_rows = o_ref.at[g, split] if partial else o_ref.at[g]
     wg = jax.lax.axis_index("wg")
     stages = stages_for(fmt)
     wgmma = plgpu.Layout.WGMMA
@@ -120,7 +136,7 @@ def kernel(*refs, fmt: RowFormat, rule: SplitRule, **smem):
     def by_head(v, n=T):  # [m] per-head values broadcast over n columns
         return jax.lax.broadcast_in_dim(v, (m, n), [0])
 
-    _init_barriers(s["rec_bars"], stages, (rule, indptr, s["work"], g, 0))
+    _init_barriers(s["rec_bars"], stages, (rule, indptr, s["work"], g, split))
 
     @pl.when(wg == 0)
     def _():
@@ -210,10 +226,10 @@ def kernel(*refs, fmt: RowFormat, rule: SplitRule, **smem):
         for i in range(0, len(blocks), 2):  # each chunk's even and odd blocks: bf16 rows
             even, odd = (accs[k] * by_head(inv_l, DB) for k in (i, i + 1))
             chunk = blocks[i] // 2
-            ptx = out_rows_ptx(fmt, chunk)
-            _store_out_rows(fmt, chunk, even, odd, o_ref.at[g], hb * m, ptx)
+            ptx = out_rows_ptx(fmt, chunk, partial)
+            _store_out_rows(fmt, chunk, even, odd, o_rows, hb * m, ptx)
         if c == 0:
-            write_lse(s["lse"], lse_ref.at[g, 0, hb], m_run, l_run, has)
+            write_lse(s["lse"], lse_ref.at[g, split, hb], m_run, l_run, has)
             plgpu.wait_smem_to_gmem(0)
 
     for c in range(CONSUMERS):

@@ -10,8 +10,9 @@ heads: at 128 heads, 32 rows per CTA (two record stages) took 470.4 against 634.
 and 3618.1 against 4815.3 at n_q=1024 on the H200 (``bench.py``, two runs of 2026-12-02). The
 rope is 64 bf16 values: one operand block.
 
-Past 32 heads, where CTAs of 64 heads fill the GPU without splitting the key lists
-(``uses_wide``), ``_wide``'s kernel runs instead: the heads are wgmma's M, the records are
+Past 32 heads, from 17 query rows on or where CTAs of 64 heads fill the GPU without
+splitting the key lists (``uses_wide``), ``_wide``'s kernel runs instead (its splits' f32
+partials merged as the 32-row kernel's are): the heads are wgmma's M, the records are
 converted times their scales into a bf16 K tile in SMEM, and 128 heads convert each record
 twice, not four times. On the H200 it took n_q=128 H=128 from 426.9 to 240.2 us (171 to 304
 TFLOP/s) and n_q=1024 from 3321.7 to 1849.4 us (2026-12-03, ``bench.py``).
@@ -60,12 +61,19 @@ def row_format(heads: int, wide: bool = False) -> RowFormat:
     )
 
 
+WIDE_MIN_ROWS = 17  # query rows from which the 64-head kernel runs with split lists too
+
+
 def uses_wide(n_q: int, heads: int, nnz: int) -> bool:
     """Whether ``n_q`` rows of ``heads`` heads and ``nnz`` keys in all run ``_wide``'s kernel:
-    past 32 heads, where 64-head CTAs fill the GPU without splitting the key lists (that
-    kernel writes one split's finished rows)."""
+    past 32 heads, from ``WIDE_MIN_ROWS`` query rows on, or wherever 64-head CTAs fill the GPU
+    without splitting the key lists. With fewer rows and split lists the 32-row kernel was
+    the faster one on the H200 (docs/h200.md, 2026-12-03: at 128 heads and 2048 keys a row,
+    n_q = 1, 8, 16 took 63.6, 53.2, 77.1 us on it against 81.5, 72.9, 83.0 on the 64-head
+    kernel; n_q = 32 took 112.9 against 89.7, and 76.1 against 55.3 at 64 heads)."""
     blocks = -(-heads // WIDE_ROWS)
-    return heads > 32 and choose_splits(n_q * blocks, nnz / T / n_q) == 1
+    unsplit = choose_splits(n_q * blocks, nnz / T / n_q) == 1
+    return heads > 32 and (n_q >= WIDE_MIN_ROWS or unsplit)
 
 
 @per_element_vmap
