@@ -70,7 +70,8 @@ def uses_wide(n_q: int, heads: int, nnz: int) -> bool:
     without splitting the key lists. With fewer rows and split lists the 32-row kernel was
     the faster one on the H200 (docs/h200.md, 2026-12-03: at 128 heads and 2048 keys a row,
     n_q = 1, 8, 16 took 63.6, 53.2, 77.1 us on it against 81.5, 72.9, 83.0 on the 64-head
-    kernel; n_q = 32 took 112.9 against 89.7, and 76.1 against 55.3 at 64 heads)."""
+    kernel; n_q = 32 took 112.9 against 89.7, and 76.1 against 55.3 at 64 heads; a second
+    run: 116.0 against 95.6, and 76.0 against 73.1)."""
     blocks = -(-heads // WIDE_ROWS)
     unsplit = choose_splits(n_q * blocks, nnz / T / n_q) == 1
     return heads > 32 and (n_q >= WIDE_MIN_ROWS or unsplit)
