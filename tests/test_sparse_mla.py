@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
+from jax_sparse_mla.kernels.mosaic import sparse_mla as mosaic_sparse
 from tests import cases as C
 from tests import impls
 from tests import oracle as O
@@ -211,8 +212,11 @@ def test_return_lse_false(impl):
 
 
 @impls.each_sparse
-def test_large_scales_and_extreme_records(impl):
-    # scale 2^7 records (|latent| up to 57344), zero records (scale 2^-13), tiny records
+@pytest.mark.parametrize("h", [3, 64])
+def test_large_scales_and_extreme_records(impl, h):
+    """Scale 2^7 records (|latent| up to 57344), zero records (scale 2^-13) and tiny ones
+    (1e-6) in the same key lists, q of 1e-3: at 64 heads (Mosaic's 64-head kernel) their
+    K and V share one float16 unit per tile."""
     r = C.rng(12)
     lat = C.random_latent(r, 16)
     lat[0] = 0.0
@@ -221,8 +225,28 @@ def test_large_scales_and_extreme_records(impl):
     kv = O.pack_fp8_ds_mla(lat, C.random_rope(r, 16))
     idx = np.int32([0, 0, 1, 2, 2, 3, 0, 4, 5, 6, 1])
     indptr = np.int32([0, 2, 3, 5, 11])
-    q = C.bf16_normal(r, (4, 3, 576), 1e-3)
+    q = C.bf16_normal(r, (4, h, 576), 1e-3)
+    assert mosaic_sparse.uses_wide(4, h, idx.size) == (h == 64)
     case = C.SparseCase(q, kv, idx, indptr, sm_scale=0.02)
+    check(impl, case, *run(case, impl))
+
+
+@impls.each_sparse
+@pytest.mark.parametrize("h", [16, 64])
+def test_chunk_scales_growing_and_shrinking_along_a_list(impl, h):
+    """Records whose latent magnitudes (so chunk scales) run from 2^-24 up to 2^6 and back
+    down along one key list of five tiles, beside ropes of magnitude 1: Mosaic's 64-head
+    kernel raises its float16 unit as larger scales arrive and rescales what it has
+    accumulated; the small records after the large ones still count."""
+    r = C.rng(15)
+    n, n_q = 320, 17  # 17 rows: the 64-head kernel (``uses_wide``)
+    binades = np.concatenate([np.linspace(-24, 6, n // 2), np.linspace(6, -24, n // 2)])
+    lat = C.random_latent(r, n) * 2.0 ** np.round(binades)[:, None]
+    kv = O.pack_fp8_ds_mla(lat, C.random_rope(r, n))
+    idx = np.tile(np.arange(n, dtype=np.int32), n_q)
+    indptr = np.arange(n_q + 1, dtype=np.int32) * n
+    assert mosaic_sparse.uses_wide(n_q, h, idx.size) == (h == 64)
+    case = C.SparseCase(C.bf16_normal(r, (n_q, h, 576)), kv, idx, indptr, sm_scale=0.05)
     check(impl, case, *run(case, impl))
 
 
