@@ -27,6 +27,7 @@ from jax_sparse_mla.kernels.mosaic import _wide as W
 from jax_sparse_mla.kernels.mosaic import mla_decode as D
 from jax_sparse_mla.kernels.mosaic import sparse_mla as K
 from jax_sparse_mla.kernels.mosaic import ultraquant as U
+from jax_sparse_mla.kernels.mosaic._launch import attention
 from tests import oracle as O
 from tests import ptx_sim
 
@@ -698,8 +699,7 @@ def test_wide_kernel_refuses_unfinished_partials_by_name():
 
     def call(kv, idx, indptr, q):
         lists = (indptr, P.SplitRule(64, 2, P.T))
-        wide = (W.kernel, W.scratch)
-        return P.attention(fmt, kv, idx, lists, q, 0.1, 1.0, finished=False, wide=wide)
+        return attention(fmt, kv, idx, lists, q, 0.1, 1.0, finished=False)
 
     with pytest.raises(NotImplementedError, match="writes finished latent rows"):
         jax.eval_shape(call, *args)

@@ -21,12 +21,12 @@ import jax.numpy as jnp
 
 from jax_sparse_mla._platform import by_platform
 from jax_sparse_mla.formats import KV_DIM, LATENT_DIM
+from jax_sparse_mla.kernels.mosaic._launch import attention
 from jax_sparse_mla.kernels.mosaic._pipeline import (
     RowFormat,
     SplitRule,
     T,
     as_f32,
-    attention,
     choose_splits,
     fail_off_cuda,
     merge_splits,

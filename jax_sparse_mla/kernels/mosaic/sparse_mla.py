@@ -29,14 +29,13 @@ import jax
 
 from jax_sparse_mla._platform import by_platform
 from jax_sparse_mla.formats import RECORD_BYTES, ROPE_OFFSET, SCALES_OFFSET
-from jax_sparse_mla.kernels.mosaic import _wide
+from jax_sparse_mla.kernels.mosaic._launch import attention
 from jax_sparse_mla.kernels.mosaic._pipeline import (
     CHUNKS,
     WIDE_ROWS,
     RowFormat,
     SplitRule,
     T,
-    attention,
     choose_splits,
     fail_off_cuda,
     merge_splits,
@@ -96,8 +95,7 @@ def sparse_mla_mosaic(q, kv, idx, indptr, sm_scale):
     fmt = row_format(h, wide=uses_wide(n_q, h, nnz))
     splits = choose_splits(n_q * fmt.blocks, nnz / T / n_q)
     lists = (indptr, SplitRule(nnz, splits, T))
-    wide = (_wide.kernel, _wide.scratch) if fmt.wide else None
-    o, lse = attention(fmt, records, idx, lists, q, sm_scale, 1.0, wide=wide)
+    o, lse = attention(fmt, records, idx, lists, q, sm_scale, 1.0)
     return merge_splits(o[:, :, :h], lse[:, :, :h])
 
 

@@ -36,11 +36,11 @@ from jax_sparse_mla.formats import (
     ultraquant_rotate,
 )
 from jax_sparse_mla.kernels.fp4_operands import FP4_BIAS, Q_PIECES, bf16_pieces
+from jax_sparse_mla.kernels.mosaic._launch import attention
 from jax_sparse_mla.kernels.mosaic._pipeline import (
     RowFormat,
     T,
     as_f32,
-    attention,
     choose_splits,
     fail_off_cuda,
     fp4_q,
