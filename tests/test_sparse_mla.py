@@ -215,8 +215,8 @@ def test_return_lse_false(impl):
 @pytest.mark.parametrize("h", [3, 64])
 def test_large_scales_and_extreme_records(impl, h):
     """Scale 2^7 records (|latent| up to 57344), zero records (scale 2^-13) and tiny ones
-    (1e-6) in the same key lists, q of 1e-3: at 64 heads (Mosaic's 64-head kernel) their
-    K and V share one float16 unit per tile."""
+    (1e-6) in the same key lists, q of 1e-3; at 64 heads Mosaic's 64-head kernel, which
+    multiplies each record's codes by its scales before the wgmmas."""
     r = C.rng(12)
     lat = C.random_latent(r, 16)
     lat[0] = 0.0
@@ -235,9 +235,9 @@ def test_large_scales_and_extreme_records(impl, h):
 @pytest.mark.parametrize("h", [16, 64])
 def test_chunk_scales_growing_and_shrinking_along_a_list(impl, h):
     """Records whose latent magnitudes (so chunk scales) run from 2^-24 up to 2^6 and back
-    down along one key list of five tiles, beside ropes of magnitude 1: Mosaic's 64-head
-    kernel raises its float16 unit as larger scales arrive and rescales what it has
-    accumulated; the small records after the large ones still count."""
+    down along one key list of five tiles, beside ropes of magnitude 1: each tile's scales
+    span several binades and the online softmax rescales across them (at 64 heads in Mosaic's
+    64-head kernel); the small records after the large ones still count."""
     r = C.rng(15)
     n, n_q = 320, 17  # 17 rows: the 64-head kernel (``uses_wide``)
     binades = np.concatenate([np.linspace(-24, 6, n // 2), np.linspace(6, -24, n // 2)])
