@@ -19,13 +19,17 @@ max) over ``--samples`` (>= 10) samples. ``--l2-flush``: before every call a buf
 each sample then pairs a batch of (flush, call) with a batch of flushes alone, run right after
 it, and is (paired time - flush-alone time) / calls. Short kernels are then noisy (the
 difference of two larger numbers; a sample can even come out negative), and the flush leaves
-dirty lines in L2 whose write-back the next call may pay. ``--profiler`` (jax implementations
-only): also traces ``max(samples, 20)`` calls with ``jax.profiler`` and reports the spread of
-per-call execution times from the trace's timestamps ("device us"), read from the device planes
-(the host plane on the CPU backend): the "XLA Modules" events of the case's module when the trace
-has that line, else the span of the events tagged with the module, per ``run_id``, else the
-summed durations of each call's events, its kernels' busy time (the flush is another module, so
-it is never counted); the row records which (``times_from_profile``). On the H200 with jax
+dirty lines in L2 whose write-back the next call may pay. ``--profiler``: also traces
+``max(samples, 20)`` calls with ``jax.profiler`` and reports the spread of per-call execution
+times from the trace's timestamps ("device us"), read from the device planes (the host plane on
+the CPU backend): the "XLA Modules" events of the case's module when the trace has that line,
+else the span of the events tagged with the module, per ``run_id``, else the time that each
+call's events cover (their union: its kernels' busy time; the flush is another module, so it
+is never counted); the row records which (``times_from_profile``). FlashMLA's calls are traced
+the same way: the trace's device planes hold every kernel of the process, and FlashMLA's are
+those of no XLA module (the flush's kernels, found by tracing the flushes alone, left out), so
+its "device us" is its kernels' busy time per call, as ours is (GPU only; its combine kernel
+overlaps its decode kernel in the trace, which the union counts once). On the H200 with jax
 0.11.2 the trace had neither of the first two: "device us" there is busy time, which leaves
 out the gaps between a call's kernels. After the table, ``--profiler`` also lists each row's
 kernels (``kernels_per_call``: name, median us, count per call; in the JSON under
@@ -52,7 +56,7 @@ uint8 cache, q as [n_q, 1, H, 576] bf16 (batch = query row, s_q = 1) and the ind
 [n_q, 1, topk] int32. FlashMLA takes 64 or 128 query heads only: fewer are padded with zero
 heads (the row says so; its bytes and FLOPs still count the real heads). It is timed the same
 way (``torch.cuda.synchronize``; the scheduling metadata is made by the warm-up call and reused,
-as in a decode loop), without ``--profiler``, and its output and lse are compared with the
+as in a decode loop), and its output and lse are compared with the
 reference implementation's (max abs difference). Every jax implementation is compared with the
 reference too: "xla" when it runs, else the first implementation.
 
@@ -395,20 +399,43 @@ def spread(times: list[float]) -> dict:
     }
 
 
-def profile_device_times(launch: Callable, sync: Callable, module_name: str, calls: int, flush):
-    """Per-call execution seconds from a ``jax.profiler`` trace of ``calls`` calls. Returns
-    ({"method", "plane", "times"} or None, why none); see ``times_from_profile``."""
+def _profile(run: Callable[[], object]):
+    """What ``run()`` did, as a ``jax.profiler.ProfileData`` trace, or None where the profiler
+    wrote none."""
     with tempfile.TemporaryDirectory(prefix="bench_profile_") as tmp:
         with jax.profiler.trace(tmp):
-            _batch(launch, sync, calls, flush)
+            run()
         files = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
-        if not files:
-            return None, "jax.profiler wrote no .xplane.pb"
-        data = jax.profiler.ProfileData.from_file(files[0])
-        found, why = times_from_profile(data, module_name, calls)
-        if found:
-            found["kernels"] = kernels_per_call(data, module_name, calls)
-        return found, why
+        return jax.profiler.ProfileData.from_file(files[0]) if files else None
+
+
+def profile_device_times(
+    launch: Callable, sync: Callable, module_name: str | None, calls: int, flush
+):
+    """Per-call execution seconds from a ``jax.profiler`` trace of ``calls`` calls of the XLA
+    module ``module_name``, or (None) of calls that launch kernels outside XLA (FlashMLA's
+    PyTorch calls; the kernels of a flush-only trace are left out). Returns ({"method",
+    "plane", "times", "kernels"} or None, why none); see ``times_from_profile``."""
+    data = _profile(lambda: _batch(launch, sync, calls, flush))
+    if data is None:
+        return None, "jax.profiler wrote no .xplane.pb"
+    skip: frozenset = frozenset()
+    if module_name is None and flush is not None:
+        flushes = _profile(lambda: _flushes(flush, calls))
+        if flushes is not None:
+            skip = frozenset(ev.name for _, ev, _ in _module_events(flushes, None))
+    found, why = times_from_profile(data, module_name, calls, skip)
+    if found:
+        found["kernels"] = kernels_per_call(data, module_name, calls, skip)
+    return found, why
+
+
+def profiler_summary(found: dict | None, why: str) -> dict:
+    """A row's "profiler" entry from ``profile_device_times``'s result."""
+    if not found:
+        return {"error": why}
+    keep = ("method", "plane", "kernels")
+    return {**spread(found["times"]), "values": len(found["times"])} | {k: found[k] for k in keep}
 
 
 DERIVED_LINES = ("XLA Modules", "XLA Ops", "Steps", "Framework Name Scope", "Framework Ops")
@@ -421,32 +448,41 @@ def _event_stats(ev) -> dict:
         return {}
 
 
-def _planes(data) -> list:
-    """The trace's device planes, or its host planes where it has none (the CPU backend)."""
+def _planes(data, host: bool = True) -> list:
+    """The trace's device planes, or (given ``host``) its host planes where it has none (the
+    CPU backend)."""
     planes = [p for p in data.planes if p.name.startswith("/device:")]
-    return planes or [p for p in data.planes if p.name.startswith("/host:")]
+    return planes or [p for p in data.planes if host and p.name.startswith("/host:")]
 
 
-def _module_events(data, module_name: str) -> Iterator[tuple[str, object, dict]]:
+def _module_events(
+    data, module_name: str | None, skip: frozenset = frozenset()
+) -> Iterator[tuple[str, object, dict]]:
     """(plane name, event, its stats) of each event tagged with the module (``_planes``; the
-    derived lines, which repeat the kernels, left out)."""
-    for plane in _planes(data):
+    derived lines, which repeat the kernels, left out); ``module_name`` None: each device
+    event tagged with no XLA module (what other libraries launch), less those named in
+    ``skip``."""
+    for plane in _planes(data, host=module_name is not None):
         for line in plane.lines:
             if line.name in DERIVED_LINES:
                 continue
             for ev in line.events:
                 stats = _event_stats(ev)
-                if module_name in str(stats.get("hlo_module", "")):
+                module = str(stats.get("hlo_module", ""))
+                mine = not module if module_name is None else module_name in module
+                if mine and ev.name not in skip:
                     yield plane.name, ev, stats
 
 
-def kernels_per_call(data, module_name: str, calls: int) -> list[dict]:
+def kernels_per_call(
+    data, module_name: str | None, calls: int, skip: frozenset = frozenset()
+) -> list[dict]:
     """What one call of the module runs, from a trace of ``calls`` calls: per event (kernel)
     name, its count per call and median duration in seconds ({"name", "per_call",
     "median_s"}), the largest share of the call first. Tells a kernel's own time from that of
     the XLA ops around it."""
     durations: dict[str, list[float]] = {}
-    for _, ev, _ in _module_events(data, module_name):
+    for _, ev, _ in _module_events(data, module_name, skip):
         durations.setdefault(ev.name, []).append(ev.duration_ns * 1e-9)
     kernels = [
         {"name": name, "per_call": len(d) / calls, "median_s": float(np.median(d))}
@@ -455,15 +491,30 @@ def kernels_per_call(data, module_name: str, calls: int) -> list[dict]:
     return sorted(kernels, key=lambda k: -k["per_call"] * k["median_s"])
 
 
-def times_from_profile(data, module_name: str, calls: int):
+def busy_ns(events: list[tuple[int, int]]) -> int:
+    """Nanoseconds in which at least one of ``events`` (start, duration) runs: the length of
+    their union, so that kernels that overlap (a kernel launched early to wait on the one
+    before it) count once."""
+    total, reach = 0, -math.inf
+    for start, duration in sorted(events):
+        end = start + duration
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def times_from_profile(data, module_name: str | None, calls: int, skip: frozenset = frozenset()):
     """The device planes ("/device:..."; the host planes where there is none, as on the CPU
     backend, which runs the module on host threads): 1) "XLA Modules" events named
     ``module_name``, one per call; else 2) the events tagged ``hlo_module`` = the module: the
     span (first start to last end) of each ``run_id`` (one per call); else 3) those events in
     start order, cut into ``calls`` runs of equal length (every call of a jitted function
-    launches the same kernels, one call after another): each run's summed duration, the
-    kernels' busy time per call; else 4) their summed duration / calls (one value)."""
-    for plane in _planes(data):
+    launches the same kernels, one call after another): the time each run's events cover
+    (``busy_ns``), the kernels' busy time per call; else 4) their summed duration / calls.
+    ``module_name`` None: 3) or 4) over the device events of no XLA module but those in
+    ``skip`` (``_module_events``)."""
+    for plane in _planes(data) if module_name is not None else []:
         for line in plane.lines:
             if line.name == "XLA Modules":
                 times = [ev.duration_ns * 1e-9 for ev in line.events if module_name in ev.name]
@@ -471,7 +522,7 @@ def times_from_profile(data, module_name: str, calls: int):
                     return {"method": "XLA Modules events", "plane": plane.name, "times": times}, ""
     runs: dict = {}
     events, where = [], ""  # (start, duration) of the module's events
-    for plane, ev, stats in _module_events(data, module_name):
+    for plane, ev, stats in _module_events(data, module_name, skip):
         where = plane
         events.append((ev.start_ns, ev.duration_ns))
         if "run_id" in stats:
@@ -483,9 +534,9 @@ def times_from_profile(data, module_name: str, calls: int):
         return {"method": "span of each run_id's events", "plane": where, "times": times}, ""
     if events and len(events) % calls == 0:
         per_call = len(events) // calls
-        durations = [d for _, d in sorted(events)]
-        times = [sum(durations[i : i + per_call]) * 1e-9 for i in range(0, len(events), per_call)]
-        method = f"busy time: {per_call} events per call, summed (in start order)"
+        ordered = sorted(events)
+        times = [busy_ns(ordered[i : i + per_call]) * 1e-9 for i in range(0, len(events), per_call)]
+        method = f"busy time: {per_call} events per call, their union (in start order)"
         return {"method": method, "plane": where, "times": times}, ""
     if events:
         times = [sum(d for _, d in events) * 1e-9 / calls]
@@ -495,7 +546,8 @@ def times_from_profile(data, module_name: str, calls: int):
             "times": times,
         }, ""
     names = ", ".join(p.name for p in data.planes) or "none"
-    return None, f"no event of module {module_name} in the trace (planes: {names})"
+    what = f"module {module_name}" if module_name is not None else "a device outside XLA"
+    return None, f"no event of {what} in the trace (planes: {names})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -839,17 +891,7 @@ def bench_case(case: Case, impls: list[str], ctx: dict) -> list[dict]:
                     max(args.samples, 20),
                     ctx["jax_flush"],
                 )
-                row["profiler"] = (
-                    {
-                        **spread(found["times"]),
-                        "values": len(found["times"]),
-                        "method": found["method"],
-                        "plane": found["plane"],
-                        "kernels": found["kernels"],
-                    }
-                    if found
-                    else {"error": why}
-                )
+                row["profiler"] = profiler_summary(found, why)
         except Exception as e:  # one implementation failing must not stop the run
             row = error_row(case, impl, "jax_sparse_mla", e)
         rows.append(row)
@@ -872,16 +914,14 @@ def bench_flashmla(case: Case, reference, ctx: dict) -> dict:
         result = launch()
         sync(result)
         out, lse = outputs(result)
+        flush = ctx["torch_flush"](fm)
         times, calls = sample_times(
-            launch,
-            sync,
-            samples=args.samples,
-            sample_s=args.sample_ms / 1e3,
-            flush=ctx["torch_flush"](fm),
+            launch, sync, samples=args.samples, sample_s=args.sample_ms / 1e3, flush=flush
         )
         row = make_row(case, "flashmla", "flashmla", times, calls, ctx["copy_bps"], note=note)
         if args.profiler:
-            row["profiler"] = {"error": "not measured for torch (wall-clock samples only)"}
+            found, why = profile_device_times(launch, sync, None, max(args.samples, 20), flush)
+            row["profiler"] = profiler_summary(found, why)
         if reference is not None:
             row["diff_vs"] = reference[0]
             row["max_abs_diff"] = _torch_max_abs_diff(fm.torch, out, reference[1])

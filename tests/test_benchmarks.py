@@ -180,7 +180,7 @@ def test_flashmla_adapter_layout():
         np.testing.assert_allclose(lse.cpu().numpy(), np.asarray(want_lse), rtol=1e-4, atol=1e-3)
 
     # The row the benchmark writes for FlashMLA, after the jax implementations of the case.
-    args = bench.parse_args(["--quick", "--implementations", "xla"])
+    args = bench.parse_args(["--quick", "--implementations", "xla", "--profiler"])
     ctx = {
         "args": args,
         "copy_bps": 1e9,
@@ -195,6 +195,9 @@ def test_flashmla_adapter_layout():
     assert row["diff_vs"] == "xla" and "padded 16 -> 64" in row["note"]
     assert 0 <= row["max_abs_diff"] < 1 and 0 <= row["lse_max_abs_diff"] < 1e-2
     assert 0 < row["min_s"] <= row["median_s"] <= row["max_s"]
+    # The profiler times the jax rows from the host plane here; FlashMLA's kernels only on a GPU.
+    assert rows[0]["profiler"]["median_s"] > 0
+    assert "no event of a device outside XLA" in row["profiler"]["error"]
 
 
 POSITIVE_INTS = "must be a comma list of positive integers"
@@ -332,3 +335,33 @@ def test_profile_times_per_call_from_each_source_the_trace_has():
     assert got["times"] == pytest.approx([50e-9]) and got["method"] == "XLA Modules events"
     got, why = times_from_profile(_trace(("Stream #1", kernels[4:])), "bench_op", calls=2)
     assert got is None and "no event of module bench_op" in why
+
+
+def test_profile_of_kernels_outside_xla_leaves_out_modules_and_the_flush():
+    """FlashMLA's calls (module None): the device events of no XLA module, less the flush's."""
+    bench = _load_bench()
+    mod = {"hlo_module": "jit_bench_op"}
+    # Two calls of (flush, metadata kernel, decode kernel), and an XLA kernel in between.
+    call = [(0, 50, {}, "flush"), (60, 2, {}, "meta"), (70, 9, {}, "decode")]
+    second = [(t + 100, d, s, n) for t, d, s, n in call]
+    trace = _trace(("Stream #7", [*call, (90, 99, mod, "xla"), *second]))
+    got, _ = bench.times_from_profile(trace, None, calls=2, skip=frozenset({"flush"}))
+    assert got["times"] == pytest.approx([11e-9, 11e-9]) and "2 events per call" in got["method"]
+    kernels = bench.kernels_per_call(trace, None, calls=2, skip=frozenset({"flush"}))
+    assert [(k["name"], k["per_call"]) for k in kernels] == [("decode", 1), ("meta", 1)]
+    got, _ = bench.times_from_profile(trace, None, calls=2)  # the flush counted when not skipped
+    assert got["times"] == pytest.approx([61e-9, 61e-9])
+    # The host plane (the CPU backend) holds no device's kernels: nothing to time there.
+    got, why = bench.times_from_profile(_trace(("t", call), plane="/host:CPU"), None, calls=2)
+    assert got is None and "no event of a device outside XLA" in why
+    summary = bench.profiler_summary(None, why)
+    assert summary == {"error": why}
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    """A kernel launched early to wait on the one before it (FlashMLA's combine) overlaps it."""
+    busy_ns = _load_bench().busy_ns
+    assert busy_ns([(0, 10), (20, 5)]) == 15  # apart: the sum
+    assert busy_ns([(0, 10), (4, 10)]) == 14  # overlapping: the union
+    assert busy_ns([(5, 2), (0, 10), (30, 1)]) == 11  # inside another, in any order
+    assert busy_ns([]) == 0

@@ -11,11 +11,13 @@ from __future__ import annotations
 import pathlib
 import sys
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
 
 from tests.cpu_subprocess import child_env
+
+WHY = "the notebook runner is missing: pip install -e '.[test]' installs nbclient and nbformat"
+nbformat = pytest.importorskip("nbformat", reason=WHY)
+NotebookClient = pytest.importorskip("nbclient", reason=WHY).NotebookClient
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "examples" / "notebooks"
 CELL_TIMEOUT_S = 600
