@@ -11,7 +11,7 @@ and 3618.1 against 4815.3 at n_q=1024 on the H200 (``bench.py``, two runs of 202
 rope is 64 bf16 values: one operand block.
 
 Past 32 heads, from 17 query rows on or where CTAs of 64 heads fill the GPU without
-splitting the key lists (``uses_wide``), ``_wide``'s kernel runs instead (its splits' f32
+splitting the key lists (``plan``), ``_wide``'s kernel runs instead (its splits' f32
 partials merged as the 32-row kernel's are): the heads are wgmma's M, the records are
 converted times their scales into a bf16 K tile in SMEM, and 128 heads convert each record
 twice, not four times. On the H200 it took n_q=128 H=128 from 426.9 to 240.2 us (171 to 304
@@ -63,17 +63,28 @@ def row_format(heads: int, wide: bool = False) -> RowFormat:
 WIDE_MIN_ROWS = 17  # query rows from which the 64-head kernel runs with split lists too
 
 
+def plan(n_q: int, heads: int, nnz: int) -> tuple[RowFormat, int]:
+    """The RowFormat and the splits per key list (``choose_splits``) for ``n_q`` rows of
+    ``heads`` heads and ``nnz`` keys in all. Past 32 heads ``_wide``'s 64-head kernel runs
+    from ``WIDE_MIN_ROWS`` query rows on, or wherever its CTAs fill the GPU without splitting
+    the key lists; with fewer rows and split lists the 32-row kernel was the faster one on the
+    H200 (docs/h200.md, 2026-12-03: at 128 heads and 2048 keys a row, n_q = 1, 8, 16 took
+    63.6, 53.2, 77.1 us on it against 81.5, 72.9, 83.0 on the 64-head kernel; n_q = 32 took
+    112.9 against 89.7, and 76.1 against 55.3 at 64 heads; a second run: 116.0 against 95.6,
+    and 76.0 against 73.1)."""
+    tiles = nnz / T / n_q  # an average list's tiles
+    if heads > 32:
+        wide = row_format(heads, wide=True)
+        splits = choose_splits(n_q * wide.blocks, tiles)
+        if n_q >= WIDE_MIN_ROWS or splits == 1:
+            return wide, splits
+    fmt = row_format(heads)
+    return fmt, choose_splits(n_q * fmt.blocks, tiles)
+
+
 def uses_wide(n_q: int, heads: int, nnz: int) -> bool:
-    """Whether ``n_q`` rows of ``heads`` heads and ``nnz`` keys in all run ``_wide``'s kernel:
-    past 32 heads, from ``WIDE_MIN_ROWS`` query rows on, or wherever 64-head CTAs fill the GPU
-    without splitting the key lists. With fewer rows and split lists the 32-row kernel was
-    the faster one on the H200 (docs/h200.md, 2026-12-03: at 128 heads and 2048 keys a row,
-    n_q = 1, 8, 16 took 63.6, 53.2, 77.1 us on it against 81.5, 72.9, 83.0 on the 64-head
-    kernel; n_q = 32 took 112.9 against 89.7, and 76.1 against 55.3 at 64 heads; a second
-    run: 116.0 against 95.6, and 76.0 against 73.1)."""
-    blocks = -(-heads // WIDE_ROWS)
-    unsplit = choose_splits(n_q * blocks, nnz / T / n_q) == 1
-    return heads > 32 and (n_q >= WIDE_MIN_ROWS or unsplit)
+    """Whether ``plan`` picks ``_wide``'s 64-head kernel for these sizes."""
+    return plan(n_q, heads, nnz)[0].wide
 
 
 @per_element_vmap
@@ -92,8 +103,7 @@ def sparse_mla_mosaic(q, kv, idx, indptr, sm_scale):
     nnz = idx.shape[0]
     if n_q == 0 or h == 0 or nnz == 0 or records.shape[0] == 0:
         return no_keys(n_q, h)
-    fmt = row_format(h, wide=uses_wide(n_q, h, nnz))
-    splits = choose_splits(n_q * fmt.blocks, nnz / T / n_q)
+    fmt, splits = plan(n_q, h, nnz)
     lists = (indptr, SplitRule(nnz, splits, T))
     o, lse = attention(fmt, records, idx, lists, q, sm_scale, 1.0)
     return merge_splits(o[:, :, :h], lse[:, :, :h])
