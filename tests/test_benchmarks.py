@@ -195,9 +195,13 @@ def test_flashmla_adapter_layout():
     assert row["diff_vs"] == "xla" and "padded 16 -> 64" in row["note"]
     assert 0 <= row["max_abs_diff"] < 1 and 0 <= row["lse_max_abs_diff"] < 1e-2
     assert 0 < row["min_s"] <= row["median_s"] <= row["max_s"]
-    # The profiler times the jax rows from the host plane here; FlashMLA's kernels only on a GPU.
+    # The profiler times the jax rows; FlashMLA's calls (the stand-in's torch ops on the same
+    # device) only where the trace has a device plane: on a GPU, not on the CPU backend.
     assert rows[0]["profiler"]["median_s"] > 0
-    assert "no event of a device outside XLA" in row["profiler"]["error"]
+    if jax.default_backend() == "gpu":
+        assert row["profiler"]["median_s"] > 0 and row["profiler"]["kernels"], row["profiler"]
+    else:
+        assert "no event of a device outside XLA" in row["profiler"]["error"]
 
 
 POSITIVE_INTS = "must be a comma list of positive integers"
