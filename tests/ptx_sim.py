@@ -122,6 +122,13 @@ class Region:
     space: str  # "global" or "shared"
 
 
+def _aligned(op: str, address: int, size: int) -> int:
+    """``address``, checked to be a multiple of ``size``: a vector access (``.vN``) must be
+    aligned to its whole size (the PTX ISA's rule; hardware faults otherwise)."""
+    assert address % size == 0, f"{op}: {size}-byte access at {address:#x} is not aligned"
+    return address
+
+
 class Memory:
     """Named byte regions at distinct addresses; a read or write outside them fails."""
 
@@ -244,7 +251,9 @@ def _step(line: str, regs: dict, memory: Memory | None, barriers: dict) -> None:
         memory.write(_address(dst, regs), value.to_bytes(4, "little"), space)
     elif op.startswith("ld.global.nc.v"):  # ld.global.nc.vN.b32 {d0, ..}, [a]
         *dsts, src = operands
-        data = memory.read(_address(src, regs), 4 * len(dsts), "global")
+        data = memory.read(
+            _aligned(op, _address(src, regs), 4 * len(dsts)), 4 * len(dsts), "global"
+        )
         for i, dst in enumerate(dsts):
             regs[dst] = int.from_bytes(data[4 * i : 4 * i + 4], "little")
     elif op.startswith(("st.shared.v", "st.global.v")):  # st.SPACE.vN.b32 [a], {s0, ..}
@@ -253,7 +262,7 @@ def _step(line: str, regs: dict, memory: Memory | None, barriers: dict) -> None:
             data = np.array([regs[x] for x in srcs], "<f4").tobytes()
         else:
             data = b"".join((regs[x] & MASK["32"]).to_bytes(4, "little") for x in srcs)
-        memory.write(_address(dst, regs), data, op.split(".")[1])
+        memory.write(_aligned(op, _address(dst, regs), len(data)), data, op.split(".")[1])
     elif op in ("cp.async.ca.shared.global", "cp.async.cg.shared.global"):
         dst, src, size = operands
         data = memory.read(_address(src, regs), int(size), "global")

@@ -184,6 +184,18 @@ def test_out_rows_ptx_interleaves_each_chunks_even_and_odd_dims_into_rows(kind):
     assert not got[untouched].any()
 
 
+def test_ptx_sim_refuses_a_misaligned_vector_access():
+    """A vector store must be aligned to its whole size, as on the GPU, so that the kernels'
+    vector stores run on ``ptx_sim`` only at addresses the hardware takes."""
+    mem = ptx_sim.Memory()
+    out = mem.add("out", np.zeros(16, np.uint8), "global")
+    store = "st.global.v2.b32 [$0], {$1, $2};"
+    ptx_sim.run(store, {"$0": out + 8, "$1": 1, "$2": 2}, memory=mem)
+    np.testing.assert_array_equal(mem.array("out", "<u4"), [0, 0, 1, 2])
+    with pytest.raises(AssertionError, match="8-byte access at .* is not aligned"):
+        ptx_sim.run(store, {"$0": out + 4, "$1": 3, "$2": 4}, memory=mem)
+
+
 def test_unpermute_out_inverts_the_block_order():
     o = np.arange(2 * 512, dtype=np.float32).reshape(2, 512)
     permuted = np.concatenate(

@@ -26,9 +26,11 @@ Numerics differ from ``_pipeline``'s in where the chunk scales go: into K and V 
 of bf16 values, f32 accumulation), onto the partial scores and P there; P rounds to bf16
 unscaled. A scale that is not a power of two makes K and V round once (relative 2^-9).
 
-With one split the kernel writes the finished bf16 rows and the lse (natural log) itself;
-with more, each split's f32 rows (normalized by its own sum, the dims in their natural order:
-one 16-byte store per register pair) and lse, which ``merge_splits`` combines.
+With one split the kernel writes the finished bf16 rows (8-byte stores of four dims: two
+4-byte ones wrote each 32-byte sector in halves and cost 3% of the H200's time at n_q=1024
+H=128) and the lse (natural log) itself; with more, each split's f32 rows (normalized by its
+own sum, the dims in their natural order: one 16-byte store per register pair) and lse, which
+``merge_splits`` combines.
 
 The consumers bound it, not the producer, and their conversion is about a tenth of their time.
 A CTA pair sharing the conversion was slower, and so was a lazy rescale of O (docs/h200.md,
@@ -79,8 +81,9 @@ def out_rows_ptx(fmt: RowFormat, chunk: int, partial: bool = False) -> str:
     DB] -> four values of output row $3 + $1 ($0: [rows, 512], bf16 finished rows or, given
     ``partial``, f32 split partials): $2 the register's first column j (dims 128 chunk + 2j
     .. + 3), $4, $5 the even block's values at (r, j), (r, j + 1), $6, $7 the odd block's; rows
-    past ``fmt.heads`` none. bf16 rounds to nearest even (``astype(bfloat16)``); f32 is one
-    16-byte store (j is even, so the four dims start at a multiple of 16 bytes)."""
+    past ``fmt.heads`` none. bf16 rounds to nearest even (``astype(bfloat16)``). One store of
+    the four values: 8 bytes of bf16 or 16 of f32 (j is even, so the four dims start at a
+    multiple of either), so that a warp's store covers whole 32-byte sectors of its 8 rows."""
     size = 4 if partial else 2
     store = (
         ["@ok st.global.v4.f32 [a], {$4, $6, $5, $7};"]
@@ -88,8 +91,7 @@ def out_rows_ptx(fmt: RowFormat, chunk: int, partial: bool = False) -> str:
         else [
             "cvt.rn.bf16x2.f32 lo, $6, $4;",
             "cvt.rn.bf16x2.f32 hi, $7, $5;",
-            "@ok st.global.b32 [a], lo;",
-            "@ok st.global.b32 [a+4], hi;",
+            "@ok st.global.v2.b32 [a], {lo, hi};",
         ]
     )
     return "\n".join(
