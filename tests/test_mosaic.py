@@ -204,16 +204,18 @@ def test_unpermute_out_inverts_the_block_order():
     np.testing.assert_array_equal(np.asarray(P.unpermute_out(jnp.asarray(permuted))), o)
 
 
+@pytest.mark.parametrize("value", [0, 0xFF800000])
 @pytest.mark.parametrize("words", [16, 32])
-def test_init_ptx_zeroes_the_q_maxima_of_the_ctas_rows(words):
-    """Thread 0 alone (``init_ptx`` given a buffer and ``words``, run on ``ptx_sim``) zeroes the
-    first ``words`` words of the float16 formats' q maxima (``q_max_ptx`` takes maxima into
-    them), and nothing past them."""
+def test_init_ptx_fills_the_first_words_of_a_buffer(words, value):
+    """Thread 0 alone (``init_ptx`` given a buffer, ``words`` and ``value``, run on
+    ``ptx_sim``) sets the first ``words`` words: zeroes the float16 formats' q maxima
+    (``q_max_ptx`` takes maxima into them), or -inf for UltraQuant's running max (the K
+    warpgroups pass it on), and nothing past them."""
     mem = ptx_sim.Memory()
-    operands = {"$0": 0, "$1": mem.add("q_max", np.full(64, 0xABABABAB, "<u4"), "shared")}
-    ptx_sim.run(P.init_ptx(0, None, "$1", words), operands, lanes=4, memory=mem)
-    got = mem.array("q_max", "<u4")
-    assert not got[:words].any() and (got[words:] == 0xABABABAB).all()
+    operands = {"$0": 0, "$1": mem.add("buffer", np.full(64, 0xABABABAB, "<u4"), "shared")}
+    ptx_sim.run(P.init_ptx(0, None, "$1", words, value), operands, lanes=4, memory=mem)
+    got = mem.array("buffer", "<u4")
+    assert (got[:words] == value).all() and (got[words:] == 0xABABABAB).all()
 
 
 @pytest.mark.parametrize("align", [P.T, 128])
@@ -296,9 +298,11 @@ def test_gather_ptx_copies_each_scale_word_once(name):
     text = P.gather_ptx(fmt, 1024, stride)
     assert f"mul.wide.u32 dst, lane, {fmt.pitch};" in text
     assert f"mul.wide.s32 src, k0, {stride};" in text  # 64-bit byte offsets: caches past 4 GiB
-    if fmt.lane_copies:  # the tile's 16-byte chunks over the 128 lanes
-        rounds = -(-P.T * fmt.row_bytes // 16 // 128)
-        assert text.count("@inb cp.async.cg.shared.global [cd], [cs], 16;") == rounds
+    if fmt.lane_copies:  # two lanes per row, each its even or its odd 16-byte chunks
+        chunks = fmt.row_bytes // 16
+        copies = re.findall(r"cp\.async\.cg\.shared\.global \[cd\+(\d+)\], \[cs\+(\d+)\]", text)
+        assert copies == [(str(32 * i), str(32 * i)) for i in range(-(-chunks // 2))]
+        assert text.count("ld.shared.s32 k, [ia];") == 1  # one row index per lane
         assert f"mul.wide.s32 cs, k, {stride};" in text and "cp.async.bulk" not in text
     else:
         assert f"[src], {fmt.row_bytes}, [$3]" in text

@@ -11,13 +11,13 @@ key list, walked in tiles of ``T`` = 64 keys. Three warpgroups (UltraQuant: five
 
 * the producer gathers a tile into a ring of SMEM stages: lane j of its 128 threads takes index
   j of the tile and copies that key's cache row into SMEM row j with one ``cp.async.bulk``
-  (UltraQuant's 272-byte slots: all 128 lanes copy the tile in 16-byte ``cp.async`` chunks,
-  ``RowFormat.lane_copies``), stores the index (-1 when masked) and, for fp8_ds_mla, copies the
-  record's four scales with ``cp.async``; lane 0 then arms the stage's mbarrier with the tile's
-  bytes. The indices of the next tile are prefetched into SMEM with ``cp.async`` too, so no
-  global load waits on the producer's path. This is inline PTX: Mosaic GPU's own copy
-  primitive makes all 128 threads arrive on the barrier for every copy and moves only
-  multiples of 128 bytes;
+  (UltraQuant's 272-byte slots: lanes 2j and 2j + 1 copy row j in 16-byte ``cp.async``
+  chunks, ``RowFormat.lane_copies``), stores the index (-1 when masked) and, for fp8_ds_mla,
+  copies the record's four scales with ``cp.async``; lane 0 then arms the stage's mbarrier
+  with the tile's bytes. The indices of the next tile are prefetched into SMEM with
+  ``cp.async`` too, so no global load waits on the producer's path. This is inline PTX:
+  Mosaic GPU's own copy primitive makes all 128 threads arrive on the barrier for every copy
+  and moves only multiples of 128 bytes;
 * ``CONSUMERS`` = 2 consumers split each tile's latent dims: consumer c converts chunks 2c and
   2c + 1 of K's fp8 codes to bf16 (float16 for the decode) in registers (exact; inline PTX)
   and computes its part of the transposed scores S^T [keys, rows] = K Q^T on wgmma (K as the
@@ -118,17 +118,20 @@ class RowFormat(NamedTuple):
       stage it themselves (``q_rows_ptx``); with one split the finished output leaves as
       [G, heads, 512] bf16 rows (``out_rows_ptx``): no XLA kernel permutes either. 0 for
       UltraQuant (q as ``fp4_q``'s operands).
-    kv_split: UltraQuant only: warpgroups 0 .. CONSUMERS - 1 convert K and score (consumer 0
-      runs the softmax and hands P and its alpha over through two SMEM slots), warpgroups
-      CONSUMERS .. 2 CONSUMERS - 1 convert V and accumulate O^T (``_kernel``'s ``consume_k``
-      and ``consume_v``). Twice the consumer warps to cover the conversions' latency: on the
-      H200 ``ultraquant_decode`` B=128 seq=32768 went from 8233.3 to 7376.1 us (one run,
-      2026-12-03).
-    lane_copies: the producer's 128 lanes copy the tile's rows in 16-byte ``cp.async`` chunks
-      (``_lane_copies_ptx``), not one ``cp.async.bulk`` per row. Faster for UltraQuant's
-      272-byte slots on the H200 (``ultraquant_decode`` B=128 seq=32768: 8702.7 -> 8279.7 us),
-      slower for the 576- and 656-byte latent rows (``mla_decode`` B=128 seq=32768 qlen=1 955.6
-      -> 1011.9, ``sparse_mla`` n_q=128 H=16 82.2 -> 90.0; one run, 2026-12-03).
+    kv_split: UltraQuant only: warpgroups 0 .. CONSUMERS - 1 convert K and score, each every
+      other tile over all dims with its own softmax, handing P and its alpha over through SMEM
+      slot c, warpgroups CONSUMERS .. 2 CONSUMERS - 1 convert V and accumulate O^T
+      (``_kernel``'s ``consume_k`` and ``consume_v``). Twice the consumer warps to cover the
+      conversions' latency: on the H200 ``ultraquant_decode`` B=128 seq=32768 went from 8233.3
+      to 7376.1 us (one run, 2026-12-03; the K warpgroups then split each tile's dims and
+      consumer 0 ran every softmax); alternating tiles, with the producer's two lanes per
+      row, 7370.6 -> 6471.3 us (one run, 2026-12-04).
+    lane_copies: the producer's 128 lanes copy the tile's rows in 16-byte ``cp.async``
+      chunks, two lanes per row (``_lane_copies_ptx``), not one ``cp.async.bulk`` per row.
+      Faster for UltraQuant's 272-byte slots on the H200 (``ultraquant_decode`` B=128
+      seq=32768: 8702.7 -> 8279.7 us), slower for the 576- and 656-byte latent rows
+      (``mla_decode`` B=128 seq=32768 qlen=1 955.6 -> 1011.9, ``sparse_mla`` n_q=128 H=16
+      82.2 -> 90.0; one run, 2026-12-03).
     """
 
     row_bytes: int
@@ -352,31 +355,30 @@ _BULK_ROW_COPY = (
 )
 _BULK_ARM = """setp.eq.u32 lead, lane, 0;
 @lead mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 st, [$3], TILE_BYTES;"""
-# ``lane_copies``: 16-byte chunk f = lane + 128 i of the tile (row f / CHUNKS, chunk f % CHUNKS)
-# from the row's key, read back from ``ids`` (written before the barrier above; -1: the zero row).
+# ``lane_copies``: lanes 2j and 2j + 1 copy row j of the tile, its even and its odd 16-byte
+# chunks (chunk 2i + lane % 2 at copy i, so that the pair's two copies fill one 32-byte
+# sector), the row found from ``ids`` (written before the barrier above; -1: the zero row):
+# one index load and one address per lane and tile, then the copies at fixed offsets.
 _LANE_REGS = """
-.reg .pred inb, live;
-.reg .b32 fi, row, ch;
+.reg .pred live, even;
+.reg .b32 row, half;
 .reg .s32 k;
 .reg .b64 ia, cs, co, cd;"""
-_LANE_CHUNK = """add.u32 fi, lane, FIRST;
-setp.lt.u32 inb, fi, TILE_CHUNKS;
-div.u32 row, fi, CHUNKS;
-rem.u32 ch, fi, CHUNKS;
+_LANE_ROW = """shr.u32 row, lane, 1;
+and.b32 half, lane, 1;
+setp.eq.u32 even, half, 0;
 mul.wide.u32 ia, row, 4;
 add.u64 ia, ia, $4;
-mov.s32 k, -1;
-@inb ld.shared.s32 k, [ia];
+ld.shared.s32 k, [ia];
 setp.ge.s32 live, k, 0;
 mul.wide.s32 cs, k, ROW_STRIDE;
 add.u64 cs, cs, $0;CHUNK_HEAD
 selp.b64 cs, cs, $6, live;
-mul.wide.u32 co, ch, 16;
+mul.wide.u32 co, half, 16;
 add.u64 cs, cs, co;
 mul.wide.u32 cd, row, PITCH;
 add.u64 cd, cd, $2;
-add.u64 cd, cd, co;
-@inb cp.async.cg.shared.global [cd], [cs], 16;"""
+add.u64 cd, cd, co;"""
 _LANE_ARM = """cp.async.commit_group;
 cp.async.mbarrier.arrive.shared::cta.b64 [$3];
 bar.sync PRODUCER_BARRIER, 128;
@@ -385,14 +387,17 @@ setp.eq.u32 lead, lane, 0;
 
 
 def _lane_copies_ptx(fmt: RowFormat) -> str:
-    """Every lane's 16-byte ``cp.async`` copies of the tile's rows (``RowFormat.lane_copies``),
-    then its ``cp.async.mbarrier.arrive``; lane 0 arrives once all have."""
+    """Every lane's 16-byte ``cp.async`` copies of its half of a row (``RowFormat.lane_copies``:
+    two lanes per row), then its ``cp.async.mbarrier.arrive``; lane 0 arrives once all have."""
+    assert 2 * T == 128, "two producer lanes per row"
     chunks = fmt.row_bytes // 16
-    rounds = -(-T * chunks // 128)
-    body = [_LANE_CHUNK.replace("FIRST", str(128 * i)) for i in range(rounds)]
-    text = "\n".join([*body, _LANE_ARM])
-    text = text.replace("CHUNK_HEAD", "\nadd.u64 cs, cs, head;" * fmt.fp4)
-    return text.replace("TILE_CHUNKS", str(T * chunks)).replace("CHUNKS", str(chunks))
+    copies = [
+        ("@even " if 2 * i + 1 == chunks else "")
+        + f"cp.async.cg.shared.global [cd+{32 * i}], [cs+{32 * i}], 16;"
+        for i in range(-(-chunks // 2))
+    ]
+    text = "\n".join([_LANE_ROW, *copies, _LANE_ARM])
+    return text.replace("CHUNK_HEAD", "\nadd.u64 cs, cs, head;" * fmt.fp4)
 
 
 def _scale_ptx(words: tuple[int, ...]) -> str:
@@ -759,21 +764,24 @@ bar.sync 0;
 }"""
 
 
-def init_ptx(count: int, rule: SplitRule | None, zero: str | None = None, words: int = 0) -> str:
+def init_ptx(
+    count: int, rule: SplitRule | None, fill: str | None = None, words: int = 0, value: int = 0
+) -> str:
     """Thread 0 initializes ``count`` mbarriers at $0, given ``rule`` writes the CTA's work
-    entry (``work_ptx``) and given ``zero`` (an operand) zeroes ``words`` words there; then
-    the CTA syncs."""
+    entry (``work_ptx``) and given ``fill`` (an operand) sets ``words`` words there to the
+    uint32 ``value``; then the CTA syncs."""
     inits = "\n".join(f"@lead mbarrier.init.shared::cta.b64 [$0+{8 * i}], 1;" for i in range(count))
     text = _INIT_PTX.replace("INITS", inits)
-    zeros = "".join(f"\n@lead st.shared.u32 [{zero}+{4 * i}], 0;" for i in range(words))
-    text = text.replace(" ZERO", zeros if zero else "")
+    fills = "".join(f"\n@lead st.shared.u32 [{fill}+{4 * i}], {value};" for i in range(words))
+    text = text.replace(" ZERO", fills if fill else "")
     return text.replace("WORK", work_ptx(rule) if rule else "")
 
 
-def _init_barriers(bars_ref, count: int, work=None, zero=None, words: int = 0):
+def _init_barriers(bars_ref, count: int, work=None, zero=None, words: int = 0, value: int = 0):
     """Thread 0 initializes ``count`` mbarriers (one arrival each), given ``work`` = (rule,
     indptr, work SMEM, list, split) writes the CTA's work entry (``work_ptx``) and given
-    ``zero`` (an SMEM ref) zeroes its first ``words`` words; then the whole CTA syncs."""
+    ``zero`` (an SMEM ref) sets its first ``words`` words to the uint32 ``value`` (0 unless
+    given); then the whole CTA syncs."""
     plgpu, mgpu_utils, ir, llvm, _, _ = _mgpu()
     ref, splat = plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=())
     rule, *work_args = work or (None,)
@@ -793,7 +801,7 @@ def _init_barriers(bars_ref, count: int, work=None, zero=None, words: int = 0):
         llvm.inline_asm(
             ir.Type.parse("!llvm.void"),
             operands,
-            init_ptx(count, rule, zero_operand, words),
+            init_ptx(count, rule, zero_operand, words, value),
             "l" + ",l,l,r,r" * bool(work) + ",l" * len(refs),
             has_side_effects=True,
         )
@@ -818,7 +826,7 @@ def _gather_tile(fmt: RowFormat, refs, remaining, t, head=None, position=None):
     a release: the ids are visible to whoever acquires the completed phase. With ``fmt.page_size``,
     ``idx`` is the request's block-table row and lane j's key is the slot of position ``position +
     j`` (``gather_ptx``); the ring holds pages. With ``fmt.lane_copies`` no lane copies a row
-    whole: after that barrier every lane copies its 16-byte chunks of the tile, the source row
+    whole: after that barrier lanes 2j and 2j + 1 copy row j in 16-byte chunks, the source row
     found from ``ids`` (``_lane_copies_ptx``), arrives on ``bar`` through
     ``cp.async.mbarrier.arrive``, and lane 0 arrives (no bytes expected) after a second barrier;
     the index copies wait with ``cp.async.wait_group 1`` (they are a group of their own), not for
@@ -1120,12 +1128,22 @@ def softmax_start(m: int, layout):
     return m0, l0
 
 
+def _finite_max(m):
+    """The running max ``m`` [m] as the exponents' reference: 0 where no key was seen yet."""
+    return jnp.where(m == -jnp.inf, 0.0, m)
+
+
+def rebase(m_old, m_new):
+    """[m] factors moving sums (or accumulators) on the running max ``m_old`` to ``m_new``
+    (log2 units): 0 from -inf."""
+    return jnp.exp2(m_old - _finite_max(m_new))
+
+
 def softmax_step(sc, m_run, m_new, by_row):
     """alpha [m] (the old accumulators' factor) and P f32 for the masked scores ``sc`` (log2
     units; S^T [T, m] or S [m, T]) moving the running max from ``m_run`` to ``m_new``;
     ``by_row`` broadcasts [m] values over ``sc``'s shape."""
-    m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    return jnp.exp2(m_run - m_ref), jnp.exp2(sc - by_row(m_ref))
+    return rebase(m_run, m_new), jnp.exp2(sc - by_row(_finite_max(m_new)))
 
 
 def out_factor(out_scale, l_run):
@@ -1249,7 +1267,10 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
         return jax.lax.broadcast_in_dim(v, (n, m), [1])
 
     work = rule and (rule, lists_ref, s["work"], g, split)
-    _init_barriers(s["rec_bars"], stages, work, s.get("q_max"), m)
+    if fmt.kv_split:  # the K warpgroups' running max starts at -inf (float32 bits)
+        _init_barriers(s["rec_bars"], stages, work, s["ml"], m, 0xFF800000)
+    else:
+        _init_barriers(s["rec_bars"], stages, work, s.get("q_max"), m)
     setup = [(q_ref.at[g, hb], s["q_lat"])] if fmt.fp4 else []
     if rule is None:
         setup.append((lists_ref.at[g, split], s["work"]))
@@ -1285,12 +1306,15 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
         sc_word = load(s["sc"].at[stage, scale_word], per_key)
         return words, _fp4_scales(by_key(sc_word, FP4_WORDS), shift)
 
-    def fp4_k_scores(stage, c, acc, shift):
+    def fp4_k_scores(stage, c, acc, shift, bounded=False):
         """Slice c of K's codes (words 16c .. 16c + 15: scale groups 4c .. 4c + 3) against
-        the stacked q pieces into ``acc`` [T, Q_PIECES * m], one wgmma per nibble."""
+        the stacked q pieces into ``acc`` [T, Q_PIECES * m], one wgmma per nibble; with
+        ``bounded``, at most 8 wgmmas (their register operands) in flight."""
         words, scale = fp4_slice(stage, FP4_WORDS * c, c, shift)
         for n in range(8):
             k = _fp4_operand(words, scale, n)
+            if bounded:
+                plgpu.wgmma_wait(7)
             plgpu.wgmma(acc, k, s["q_lat"].at[8 * c + n].transpose((1, 0)))
 
     def fp4_v_store(stage, c, shift):
@@ -1463,58 +1487,83 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
         plgpu.wait_smem_to_gmem(0)
 
     def consume_k(c: int):
-        """``kv_split``: K warpgroup c scores slice c of each tile's K; consumer 0 adds the
-        others' partial scores, runs the online softmax and hands P^T and alpha to the V
-        warpgroups in slot t % 2 (``p_full``), once they freed it (``p_free``)."""
+        """``kv_split``: K warpgroup c scores every other tile (t = c mod 2) over all of K's
+        dims and runs the online softmax on it, so that the two K warpgroups exchange no
+        partial scores. The running max passes from tile t - 1 to tile t through ``ml`` with
+        the turn (``turn``); Mosaic GPU's cross-warp reductions, whose SMEM scratch is one per
+        CTA, run only while a warpgroup holds it. Each keeps its sums per thread ([T, m], on
+        the max of its latest tile) and reduces them once after the walk; the warpgroup whose
+        turn comes last adds both. P^T and alpha go to the V warpgroups in slot c
+        (``p_full``) once they freed it (``p_free``)."""
         plgpu.set_max_registers(consumer_registers(fmt.consumers), action="increase")
         score_scale = load(s["scale"].at[pl.ds(0, m)], per_row)
         shift = fp4_shift()
 
-        def tile(t, carry):
-            m_run, l_run = carry
+        def take_turn(t):  # tile (or final sum) t waits for t - 1 to pass the turn
+            @pl.when(t >= 1)
+            def _():
+                plgpu.barrier_wait(s["turn"].at[c])
+
+        def tile(i, carry):
+            m_own, l_acc = carry  # the max of this warpgroup's latest tile, its sums' base
+            t = 2 * i + c
             stage = jax.lax.rem(t, stages)
             _wait(s["rec_bars"].at[pl.ds(stage, 1)], jax.lax.rem(t // stages, 2))
             ids = load(s["ids"].at[stage], per_key)
 
             def run(acc):
-                fp4_k_scores(stage, c, acc, shift)
+                for k in range(CONSUMERS):
+                    fp4_k_scores(stage, k, acc, shift, bounded=k > 0)
                 pieces = acc[...]  # [T, Q_PIECES * m]
                 return pieces[:, :m] + pieces[:, m : 2 * m] + pieces[:, 2 * m :]
 
-            mine = pl.run_scoped(run, plgpu.ACC((T, Q_PIECES * m), jnp.float32))
+            sc_t = pl.run_scoped(run, plgpu.ACC((T, Q_PIECES * m), jnp.float32))
             plgpu.barrier_arrive(s["consumed"].at[stage])
-            if c != 0:
-                s["s"][c] = mine
-            _consumers_barrier()  # every partial score is in SMEM
-            if c != 0:
-                _consumers_barrier()  # consumer 0 has read them
-                return m_run, l_run
-            parts = [mine, *(load(s["s"].at[i], wgmma) for i in range(1, CONSUMERS))]
-            _consumers_barrier()
-            sc_t = functools.reduce(operator.add, parts)  # the order of ``consume``
             visible = by_key(ids) >= 0
             sc_t = jnp.where(visible, sc_t * by_row(score_scale), -jnp.inf)  # log2 units
+            take_turn(t)
+            m_run = load(s["ml"].at[pl.ds(0, m)], per_row)  # tile t - 1's (-inf at init)
+            # the reduction's warpgroup barrier orders every thread's load before the store
             m_new = jnp.maximum(m_run, sc_t.max(axis=0))
+            s["ml"][pl.ds(0, m)] = m_new
+            plgpu.barrier_arrive(s["turn"].at[1 - c])
             alpha, p = softmax_step(sc_t, m_run, m_new, by_row)
-            l_run = l_run * alpha + p.sum(axis=0)
-            slot = jax.lax.rem(t, 2)
+            l_acc = l_acc * by_row(rebase(m_own, m_new)) + p
 
-            @pl.when(t >= 2)
+            @pl.when(i >= 1)
             def _():
-                plgpu.barrier_wait(s["p_free"].at[slot])  # tile t - 2's P @ V is done
+                plgpu.barrier_wait(s["p_free"].at[c])  # tile t - 2's P @ V is done
 
-            s["p"].at[slot][...] = p.astype(dtype)
-            s["alpha"].at[slot][pl.ds(0, m)] = alpha
+            s["p"].at[c][...] = p.astype(dtype)
+            s["alpha"].at[c][pl.ds(0, m)] = alpha
             plgpu.commit_smem()  # P^T visible to the V warpgroups' wgmmas
-            plgpu.barrier_arrive(s["p_full"].at[slot])
-            return m_new, l_run
+            plgpu.barrier_arrive(s["p_full"].at[c])
+            return m_new, l_acc
 
-        m_run, l_run = jax.lax.fori_loop(0, count, tile, softmax_start(m, per_row))
-        if c == 0:
+        zeros = plgpu.layout_cast(jnp.zeros((T, m), jnp.float32), wgmma)
+        mine = (count - c + 1) // 2  # tiles c, c + 2, .. below count
+        m_own, l_acc = jax.lax.fori_loop(0, mine, tile, (softmax_start(m, per_row)[0], zeros))
+        turn = 2 * mine + c  # this warpgroup's next turn: count or count + 1
+        take_turn(turn)
+        l_own = l_acc.sum(axis=0)
+
+        @pl.when(turn == count)
+        def _():
+            s["sums"][pl.ds(0, m)] = m_own
+            s["sums"][pl.ds(DB // 2, m)] = l_own
+
+        plgpu.barrier_arrive(s["turn"].at[1 - c])
+
+        @pl.when(turn > count)  # the other warpgroup's max and sums are in ``sums``
+        def _():
+            m_other = load(s["sums"].at[pl.ds(0, m)], per_row)
+            l_other = load(s["sums"].at[pl.ds(DB // 2, m)], per_row)
+            m_run = jnp.maximum(m_own, m_other)
+            l_run = l_own * rebase(m_own, m_run) + l_other * rebase(m_other, m_run)
             s["ml"][pl.ds(DB, m)] = l_run
-        _consumers_barrier(ALL_CONSUMERS_BARRIER, fmt.consumers)  # the sum is in SMEM
-        if c == 0:
             store_lse(m_run, l_run, l_run != 0)
+
+        _consumers_barrier(ALL_CONSUMERS_BARRIER, fmt.consumers)  # the sum is in SMEM
         plgpu.wait_smem_to_gmem(0)
 
     def consume_v(c: int):
@@ -1617,12 +1666,17 @@ def _scratch(fmt: RowFormat, rule: SplitRule | None) -> dict:
         "ring": plgpu.SMEM((2, T), jnp.int32),  # the producer's index ring (tile t + 1)
         "rec_bars": plgpu.SMEM((stages,), jnp.int64),  # the row mbarriers (inline PTX)
         "setup": plgpu.Barrier(num_arrivals=_setup_copies(fmt, rule)),
-        "consumed": plgpu.Barrier(num_arrivals=fmt.consumers, num_barriers=stages),
+        # every consumer frees a stage, but of ``kv_split``'s K warpgroups only the tile's
+        "consumed": plgpu.Barrier(
+            num_arrivals=CONSUMERS + 1 if fmt.kv_split else fmt.consumers, num_barriers=stages
+        ),
     }
     if fmt.kv_split:  # P^T (``p``'s two blocks) and alpha handed from K to V, two slots
         scratch["alpha"] = plgpu.SMEM((2, 32), jnp.float32)
         scratch["p_full"] = plgpu.Barrier(num_arrivals=1, num_barriers=2)
         scratch["p_free"] = plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=2)
+        scratch["turn"] = plgpu.Barrier(num_arrivals=1, num_barriers=2)  # K warpgroup c's
+        scratch["sums"] = plgpu.SMEM((DB,), jnp.float32)  # the first finisher's max and sums
     if fmt.operand_dtype == jnp.float16:  # q's largest |bf16| bits (``q_max_ptx``)
         scratch["q_max"] = plgpu.SMEM((64,), jnp.uint32)
     if fmt.rope_blocks:

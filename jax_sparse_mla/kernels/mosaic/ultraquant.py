@@ -1,15 +1,15 @@
 """Mosaic GPU (Hopper, sm_90a) ``ultraquant_decode`` over the 4-bit UltraQuant paged cache.
 
 The pipeline of ``_pipeline`` (a producer warpgroup gathering cache rows; its consumers split by K
-and by V, ``RowFormat.kv_split``: two warpgroups convert K and score, two convert V and multiply
-P @ V) over 272-byte slots: K's 128 bytes of E2M1 codes (element 2i in the low nibble) and 8 UE8M0
-group scales, then V's. One CTA owns the G query heads of one KV head of one request (padded to 16
-rows, or 32 past 16) and one split of its tokens. For token j of the split, the producer reads the
-request's block-table entry j // block_size itself (no slot list is built) and copies the KV head's
-slot of token slot ``entry * block_size + j % block_size`` (none for an entry outside
-[0, num_blocks): the token is masked) and its four scale words; its 128 lanes copy a tile's 64
-slots in 16-byte chunks (``RowFormat.lane_copies``): one ``cp.async.bulk`` per 272-byte slot was
-slower.
+and by V, ``RowFormat.kv_split``: two warpgroups convert K and score, each every other tile with its
+own softmax, two convert V and multiply P @ V) over 272-byte slots: K's 128 bytes of E2M1 codes
+(element 2i in the low nibble) and 8 UE8M0 group scales, then V's. One CTA owns the G query heads of
+one KV head of one request (padded to 16 rows, or 32 past 16) and one split of its tokens. For token
+j of the split, the producer reads the request's block-table entry j // block_size itself (no slot
+list is built) and copies the KV head's slot of token slot ``entry * block_size + j % block_size``
+(none for an entry outside [0, num_blocks): the token is masked) and its four scale words; its 128
+lanes copy a tile's 64 slots in 16-byte chunks, two lanes per slot (``RowFormat.lane_copies``): one
+``cp.async.bulk`` per 272-byte slot was slower.
 
 A consumer reads a row's codes as uint32 words, 16 at a time (128 dims, four 32-dim scale
 groups): nibble n of word w is dim 8w + n. Each nibble slice [64 keys, 16] becomes bf16 (value *
@@ -69,7 +69,7 @@ def row_format(group: int, block_size: int) -> RowFormat:
         fp4=True,
         page_size=block_size,
         lane_copies=True,  # 272-byte slots: 16-byte lane copies beat one bulk copy per slot
-        kv_split=True,  # two warpgroups convert K and score, two convert V (more warps issuing)
+        kv_split=True,  # two warpgroups convert K and score (alternate tiles), two convert V
     )
 
 
