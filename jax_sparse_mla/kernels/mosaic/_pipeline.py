@@ -2,8 +2,9 @@
 
 The Mosaic kernels (``sparse_mla`` over fp8_ds_mla records, ``mla_decode`` over the fp8 latent
 cache, ``ultraquant_decode`` over 4-bit UltraQuant slots) run this one kernel body, told apart by
-a ``RowFormat``; the text below describes the latent formats, ``_fp4_scores`` what UltraQuant
-does differently (its own K and V of 256 dims, read as uint32 words); ``_wide`` runs
+a ``RowFormat``; the text below describes the latent formats, ``_kernel``'s ``consume_k`` and
+``consume_v`` what UltraQuant does differently (its own K and V of 256 dims, read as uint32
+words); ``_wide`` runs
 ``sparse_mla``'s 64-head CTAs with this producer and consumers of their own. One CTA owns
 ``m`` = 16 or 32 query rows (heads, or a request's (position, head) rows) and one split of a
 key list, walked in tiles of ``T`` = 64 keys. Three warpgroups (UltraQuant: five,
@@ -109,7 +110,7 @@ class RowFormat(NamedTuple):
       zeroed (a hidden NaN key must not reach a row; a visible one already made its score NaN).
     m: query rows per CTA: 16 or 32 (wgmma's N for the scores and the output), or
       ``WIDE_ROWS`` (``sparse_mla``'s heads as wgmma's M: ``_wide``).
-    fp4: UltraQuant slots (``_fp4_scores``): 256-dim K and V of E2M1 codes; a cache row
+    fp4: UltraQuant slots (``kv_split``'s consumers): 256-dim K and V of E2M1 codes; a cache row
       holds one slot of ``row_bytes`` per KV head and head block hb reads slot hb.
     page_size: 0 when ``idx`` lists cache rows; else the keys are a paged request's positions
       and ``idx`` holds block tables (``gather_ptx``), pages of ``page_size`` cache rows.
@@ -118,14 +119,14 @@ class RowFormat(NamedTuple):
       stage it themselves (``q_rows_ptx``); with one split the finished output leaves as
       [G, heads, 512] bf16 rows (``out_rows_ptx``): no XLA kernel permutes either. 0 for
       UltraQuant (q as ``fp4_q``'s operands).
-    kv_split: UltraQuant only: warpgroups 0 .. CONSUMERS - 1 convert K and score, each every
-      other tile over all dims with its own softmax, handing P and its alpha over through SMEM
-      slot c, warpgroups CONSUMERS .. 2 CONSUMERS - 1 convert V and accumulate O^T
-      (``_kernel``'s ``consume_k`` and ``consume_v``). Twice the consumer warps to cover the
+    kv_split: set exactly for UltraQuant (``fp4``): warpgroups 0 .. CONSUMERS - 1 convert K and
+      score, each every other tile over all dims with its own softmax, handing P and its alpha
+      over through SMEM slot c, warpgroups CONSUMERS .. 2 CONSUMERS - 1 convert V and accumulate
+      O^T (``_kernel``'s ``consume_k`` and ``consume_v``). Twice the consumer warps to cover the
       conversions' latency: on the H200 ``ultraquant_decode`` B=128 seq=32768 went from 8233.3
       to 7376.1 us (one run, 2026-12-03; the K warpgroups then split each tile's dims and
-      consumer 0 ran every softmax); alternating tiles, with the producer's two lanes per
-      row, 7370.6 -> 6471.3 us (one run, 2026-12-04).
+      consumer 0 ran every softmax); alternating tiles, with the producer's two lanes per row,
+      7370.6 -> 6471.3 us (one run, 2026-12-04).
     lane_copies: the producer's 128 lanes copy the tile's rows in 16-byte ``cp.async``
       chunks, two lanes per row (``_lane_copies_ptx``), not one ``cp.async.bulk`` per row.
       Faster for UltraQuant's 272-byte slots on the H200 (``ultraquant_decode`` B=128
@@ -1241,6 +1242,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
     its K wgmmas drew the same note (its time unchanged), so UltraQuant waits before them.
     """
     plgpu = _mgpu()[0]
+    assert fmt.kv_split == fmt.fp4, "UltraQuant's consumers, and only its, split by K and V"
     m = fmt.m
     cache, idx_ref, zero, q_ref, lists_ref, scale_ref, *causal_refs, o_ref, lse_ref = refs
     s = smem
@@ -1301,7 +1303,13 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
 
     def fp4_slice(stage, first_word, scale_word, shift):
         """UltraQuant: words [T, FP4_WORDS] uint32 of the staged rows from ``first_word`` and
-        their groups' scales [T, FP4_WORDS] bf16 (from scale word ``scale_word``)."""
+        their groups' scales [T, FP4_WORDS] bf16 (from scale word ``scale_word``). The words
+        are loaded as uint32 (8-byte aligned ``ld.shared``): V's codes start 8 bytes past a
+        16-byte boundary, which Mosaic GPU's 16-bit loads (``ldmatrix``) fault on. Evidence:
+        the first H200 run loaded uint16 words and failed with CUDA_ERROR_MISALIGNED_ADDRESS;
+        its PTX (MOSAIC_GPU_DUMP_PTX) showed ``ldmatrix.sync.aligned.m8n8.x4`` for those
+        loads, and loading V's words at K's (16-byte aligned) columns ran. Mosaic GPU refuses
+        uint32 loads with bank conflicts, hence the 288-byte pitch (``ultraquant.PITCH``)."""
         words = load(s["raw"].at[stage, :, pl.ds(first_word, FP4_WORDS)], wgmma)
         sc_word = load(s["sc"].at[stage, scale_word], per_key)
         return words, _fp4_scales(by_key(sc_word, FP4_WORDS), shift)
@@ -1341,10 +1349,9 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
 
     def consume(c: int):
         plgpu.set_max_registers(consumer_registers(), action="increase")
-        if not fmt.fp4:
-            q_args = (q_ref.at[g], s["q_lat"], s["q_rope"], hb * m, s.get("q_max"))
-            _stage_q_rows(fmt, c, *q_args)
-            plgpu.commit_smem()  # q visible to this warpgroup's wgmmas
+        q_args = (q_ref.at[g], s["q_lat"], s["q_rope"], hb * m, s.get("q_max"))
+        _stage_q_rows(fmt, c, *q_args)
+        plgpu.commit_smem()  # q visible to this warpgroup's wgmmas
         score_scale = load(s["scale"].at[pl.ds(0, m)], per_row)
         if "q_max" in s:  # each row of q was staged times its 2^e
             score_scale = score_scale * q_unscale(load(s["q_max"].at[pl.ds(0, m)], per_row))
@@ -1364,34 +1371,11 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
         def p_block(b):
             return b // 2 if chunk_scales else c
 
-        def _fp4_scores(stage, acc):
-            """UltraQuant: S^T [T, Q_PIECES * m] (each q piece's scores side by side) of this
-            consumer's K slice (uint32 words 16c .. 16c + 15 of the codes: scale groups 4c ..
-            4c + 3) into ``acc``, one wgmma per nibble's bf16 K against the stacked pieces (a
-            third of the wgmmas of one per piece: 1.07x faster on the H200); nibble n of its V
-            slice to ``v`` block 2c + n // 4, columns 16 (n % 4) .. 16 (n % 4) + 15. The words
-            are loaded as uint32 (8-byte aligned ``ld.shared``): V's codes start 8 bytes past a
-            16-byte boundary, which Mosaic GPU's 16-bit loads (``ldmatrix``) fault on.
-
-            Evidence for the layout: the first H200 run loaded uint16 words and failed with
-            CUDA_ERROR_MISALIGNED_ADDRESS; its PTX (MOSAIC_GPU_DUMP_PTX) showed
-            ``ldmatrix.sync.aligned.m8n8.x4`` for those loads, and loading V's words at K's
-            (16-byte aligned) columns ran. Mosaic GPU refuses uint32 loads with bank conflicts,
-            hence the 288-byte pitch (``ultraquant.PITCH``)."""
-            shift = fp4_shift()
-            plgpu.wgmma_wait(0)  # the last tile's P @ V has read ``v``
-            fp4_k_scores(stage, c, acc, shift)
-            fp4_v_store(stage, c, shift)
-
         def scores(stage):
             """This consumer's unscaled S^T parts [T, m] f32 (``n_acc`` of them). Its bf16 K
             blocks also go to ``v`` for P @ V. One wgmma wait for all."""
 
             def run(accs):
-                if fmt.fp4:
-                    _fp4_scores(stage, accs[0])
-                    pieces = accs[0][...]  # [T, Q_PIECES * m]
-                    return [pieces[:, :m] + pieces[:, m : 2 * m] + pieces[:, 2 * m :]]
                 for b in blocks:
                     if b % 2 == 0:  # one load of the chunk's words serves both parities
                         w = load(s["raw"].at[stage, :, pl.ds(DB * (b // 2), DB)], wgmma)
@@ -1415,8 +1399,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
                         plgpu.wgmma(accs[n_acc - 1], k, q_t)
                 return [a[...] for a in accs]
 
-            width = Q_PIECES * m if fmt.fp4 else m
-            return pl.run_scoped(run, [plgpu.ACC((T, width), jnp.float32)] * n_acc)
+            return pl.run_scoped(run, [plgpu.ACC((T, m), jnp.float32)] * n_acc)
 
         def tile(t, carry, acc_refs):
             m_run, l_run = carry
@@ -1633,7 +1616,7 @@ def _scratch(fmt: RowFormat, rule: SplitRule | None) -> dict:
     plgpu = _mgpu()[0]
     m, stages = fmt.m, stages_for(fmt)
     pv_swizzle = plgpu.find_swizzle(m * 16, "rhs")  # one P^T row: m bf16
-    if fmt.fp4:  # ``_fp4_scores`` stores V in 16-column slices
+    if fmt.fp4:  # ``fp4_v_store`` stores V in 16-column slices
         pv_swizzle = min(pv_swizzle, 2 * FP4_WORDS)
 
     def swizzled(shape, swizzle):
@@ -1647,7 +1630,7 @@ def _scratch(fmt: RowFormat, rule: SplitRule | None) -> dict:
         transforms = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
         return plgpu.SMEM(shape, jnp.float32, transforms=transforms)
 
-    word = 4 if fmt.fp4 else 2  # the rows are read as uint32 (``_fp4_scores``) or uint16 words
+    word = 4 if fmt.fp4 else 2  # the rows are read as uint32 (``fp4_slice``) or uint16 words
     if fmt.fp4:  # the q pieces' K=16 operands (``fp4_q``)
         q_lat = swizzled((FP4_SLICES, Q_PIECES * m, FP4_WORDS), 2 * FP4_WORDS)
     else:
