@@ -511,7 +511,8 @@ def times_from_profile(data, module_name: str | None, calls: int, skip: frozense
     span (first start to last end) of each ``run_id`` (one per call); else 3) those events in
     start order, cut into ``calls`` runs of equal length (every call of a jitted function
     launches the same kernels, one call after another): the time each run's events cover
-    (``busy_ns``), the kernels' busy time per call; else 4) their summed duration / calls.
+    (``busy_ns``), the kernels' busy time per call; else 4) the time all of them cover
+    (``busy_ns``) / calls.
     ``module_name`` None: 3) or 4) over the device events of no XLA module but those in
     ``skip`` (``_module_events``)."""
     for plane in _planes(data) if module_name is not None else []:
@@ -539,9 +540,9 @@ def times_from_profile(data, module_name: str | None, calls: int, skip: frozense
         method = f"busy time: {per_call} events per call, their union (in start order)"
         return {"method": method, "plane": where, "times": times}, ""
     if events:
-        times = [sum(d for _, d in events) * 1e-9 / calls]
+        times = [busy_ns(sorted(events)) * 1e-9 / calls]
         return {
-            "method": f"{len(events)} events' total time / {calls} calls",
+            "method": f"busy time of {len(events)} events (their union) / {calls} calls",
             "plane": where,
             "times": times,
         }, ""

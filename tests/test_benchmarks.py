@@ -329,7 +329,10 @@ def test_profile_times_per_call_from_each_source_the_trace_has():
     )
     assert got["times"] == pytest.approx([7e-9, 11e-9])  # the same calls on two streams
     got, _ = times_from_profile(_trace(("Stream #1", kernels[:3])), "bench_op", calls=2)
-    assert got["times"] == pytest.approx([6e-9]) and "total time / 2 calls" in got["method"]
+    assert got["times"] == pytest.approx([6e-9]) and "(their union) / 2 calls" in got["method"]
+    overlapping = [(0, 3, mod), (1, 4, mod), (20, 5, mod)]  # 3 events for 2 calls: 5 + 5 ns
+    got, _ = times_from_profile(_trace(("Stream #1", overlapping)), "bench_op", calls=2)
+    assert got["times"] == pytest.approx([5e-9])  # the overlap counted once, not 12 / 2
     with_runs = [(t, d, {**s, "run_id": t // 20}) for t, d, s in kernels[:4]]
     got, _ = times_from_profile(_trace(("Stream #1", with_runs)), "bench_op", calls=2)
     assert got["times"] == pytest.approx([14e-9, 16e-9]) and "run_id" in got["method"]
