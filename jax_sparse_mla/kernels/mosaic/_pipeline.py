@@ -119,14 +119,6 @@ class RowFormat(NamedTuple):
       stage it themselves (``q_rows_ptx``); with one split the finished output leaves as
       [G, heads, 512] bf16 rows (``out_rows_ptx``): no XLA kernel permutes either. 0 for
       UltraQuant (q as ``fp4_q``'s operands).
-    kv_split: set exactly for UltraQuant (``fp4``): warpgroups 0 .. CONSUMERS - 1 convert K and
-      score, each every other tile over all dims with its own softmax, handing P and its alpha
-      over through SMEM slot c, warpgroups CONSUMERS .. 2 CONSUMERS - 1 convert V and accumulate
-      O^T (``_kernel``'s ``consume_k`` and ``consume_v``). Twice the consumer warps to cover the
-      conversions' latency: on the H200 ``ultraquant_decode`` B=128 seq=32768 went from 8233.3
-      to 7376.1 us (one run, 2026-12-03; the K warpgroups then split each tile's dims and
-      consumer 0 ran every softmax); alternating tiles, with the producer's two lanes per row,
-      7370.6 -> 6471.3 us (one run, 2026-12-04).
     lane_copies: the producer's 128 lanes copy the tile's rows in 16-byte ``cp.async``
       chunks, two lanes per row (``_lane_copies_ptx``), not one ``cp.async.bulk`` per row.
       Faster for UltraQuant's 272-byte slots on the H200 (``ultraquant_decode`` B=128
@@ -146,7 +138,19 @@ class RowFormat(NamedTuple):
     page_size: int = 0
     heads: int = 0
     lane_copies: bool = False
-    kv_split: bool = False
+
+    @property
+    def kv_split(self) -> bool:
+        """UltraQuant (``fp4``) only, its consumers split by K and by V: warpgroups 0 ..
+        CONSUMERS - 1 convert K and score, each every other tile over all dims with its own
+        softmax, handing P and its alpha over through SMEM slot c, warpgroups CONSUMERS .. 2
+        CONSUMERS - 1 convert V and accumulate O^T (``_kernel``'s ``consume_k`` and
+        ``consume_v``). Twice the consumer warps to cover the conversions' latency: on the
+        H200 ``ultraquant_decode`` B=128 seq=32768 went from 8233.3 to 7376.1 us (one run,
+        2026-12-03; the K warpgroups then split each tile's dims and consumer 0 ran every
+        softmax); alternating tiles, with the producer's two lanes per row, 7370.6 -> 6471.3
+        us (one run, 2026-12-04)."""
+        return self.fp4
 
     @property
     def consumers(self) -> int:
@@ -759,7 +763,7 @@ _INIT_PTX = """{
 mov.u32 tid, %tid.x;
 setp.eq.u32 lead, tid, 0;
 INITS
-WORK ZERO
+WORK FILL
 fence.mbarrier_init.release.cluster;
 bar.sync 0;
 }"""
@@ -774,21 +778,21 @@ def init_ptx(
     inits = "\n".join(f"@lead mbarrier.init.shared::cta.b64 [$0+{8 * i}], 1;" for i in range(count))
     text = _INIT_PTX.replace("INITS", inits)
     fills = "".join(f"\n@lead st.shared.u32 [{fill}+{4 * i}], {value};" for i in range(words))
-    text = text.replace(" ZERO", fills if fill else "")
+    text = text.replace(" FILL", fills if fill else "")
     return text.replace("WORK", work_ptx(rule) if rule else "")
 
 
-def _init_barriers(bars_ref, count: int, work=None, zero=None, words: int = 0, value: int = 0):
+def _init_barriers(bars_ref, count: int, work=None, fill=None, words: int = 0, value: int = 0):
     """Thread 0 initializes ``count`` mbarriers (one arrival each), given ``work`` = (rule,
     indptr, work SMEM, list, split) writes the CTA's work entry (``work_ptx``) and given
-    ``zero`` (an SMEM ref) sets its first ``words`` words to the uint32 ``value`` (0 unless
+    ``fill`` (an SMEM ref) sets its first ``words`` words to the uint32 ``value`` (0 unless
     given); then the whole CTA syncs."""
     plgpu, mgpu_utils, ir, llvm, _, _ = _mgpu()
     ref, splat = plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=())
     rule, *work_args = work or (None,)
-    refs = [] if zero is None else [zero]
+    refs = [] if fill is None else [fill]
     arg_types = (ref,) + (ref, ref, splat, splat) * bool(work) + (ref,) * len(refs)
-    zero_operand = f"${1 + 4 * bool(work)}" if refs else None
+    fill_operand = f"${1 + 4 * bool(work)}" if refs else None
 
     @plgpu.inline_mgpu(arg_types=arg_types)
     def init(ctx, bars, *args):
@@ -802,7 +806,7 @@ def _init_barriers(bars_ref, count: int, work=None, zero=None, words: int = 0, v
         llvm.inline_asm(
             ir.Type.parse("!llvm.void"),
             operands,
-            init_ptx(count, rule, zero_operand, words, value),
+            init_ptx(count, rule, fill_operand, words, value),
             "l" + ",l,l,r,r" * bool(work) + ",l" * len(refs),
             has_side_effects=True,
         )
@@ -1242,7 +1246,6 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
     its K wgmmas drew the same note (its time unchanged), so UltraQuant waits before them.
     """
     plgpu = _mgpu()[0]
-    assert fmt.kv_split == fmt.fp4, "UltraQuant's consumers, and only its, split by K and V"
     m = fmt.m
     cache, idx_ref, zero, q_ref, lists_ref, scale_ref, *causal_refs, o_ref, lse_ref = refs
     s = smem

@@ -69,7 +69,6 @@ def row_format(group: int, block_size: int) -> RowFormat:
         fp4=True,
         page_size=block_size,
         lane_copies=True,  # 272-byte slots: 16-byte lane copies beat one bulk copy per slot
-        kv_split=True,  # two warpgroups convert K and score (alternate tiles), two convert V
     )
 
 
