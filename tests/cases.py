@@ -291,10 +291,13 @@ def _written_uq_case(
     p_bad_block=0.0,
     q_scale=1.0,
     max_blocks=None,
+    k_ramp=0,
 ) -> UQCase:
     """Paged UltraQuant batch. Each request gets distinct random blocks; the tokens are written by
     the library's ultraquant_store into a garbage-filled cache. Block-table entries past a
-    request's last block hold random (possibly garbage-block or out-of-range) values."""
+    request's last block hold random (possibly garbage-block or out-of-range) values. ``k_ramp``:
+    position j of a request of n tokens has its K times 2^floor(k_ramp * j / n), so that its
+    scores' running max keeps rising along the sequence."""
     import jax
 
     import jax_sparse_mla as jsm
@@ -308,13 +311,14 @@ def _written_uq_case(
     cache = garbage_cache(r, nb, bs, hk, slot_bytes)
     blocks = r.permutation(nb)
     bt = r.integers(-3, nb + 3, size=(len(seq_lens), max_blocks)).astype(np.int64)
-    slots = []
+    slots, ramp = [], []
     o = 0
     for b, n in enumerate(need):
         bt[b, :n] = blocks[o : o + n]
         o += n
         for j in range(max(int(seq_lens[b]), 0)):
             slots.append(bt[b, j // bs] * bs + j % bs)
+            ramp.append(2.0 ** (k_ramp * j // int(seq_lens[b])))
     if p_bad_block > 0:  # masked blocks inside the sequence (never written)
         for b, n in enumerate(need):
             for i in range(n):
@@ -323,6 +327,7 @@ def _written_uq_case(
     slot_mapping = np.asarray(slots, np.int32)
     t = len(slots)
     k, v = uq_kv(r, t, hk)
+    k = k * to_bf16(np.asarray(ramp).reshape(t, 1, 1))  # powers of two: exact in bf16
     # add a few skipped tokens (-1 / out of range) carrying huge values: must not be written
     ks, vs = uq_kv(r, 3, hk)
     k = jnp.concatenate([k, ks * 1000])

@@ -15,7 +15,8 @@ half (rounding to nearest even); ``red.shared.max`` applies when issued (lanes r
 ``cp.async.mbarrier.arrive`` (without ``.noinc``) adds and removes one,
 ``mbarrier.arrive.expect_tx`` removes one and expects bytes that ``cp.async.bulk`` copies
 complete, ``mbarrier.arrive`` removes one; ``bar.sync`` is a point every lane reaches before
-any lane runs on.
+any lane runs on, and so is ``bar.red.or.pred``, after which every lane holds the OR of the
+lanes' predicates; ``setp.CMP.or`` ORs the comparison into its last operand.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ _VALUE_OPS = {  # opcode -> (sources -> result)
     "mul.wide.s32": lambda a, b: _signed(a) * _signed(b),
     "cvt.u64.u32": lambda a: a & MASK["32"],
     "selp.s32": lambda a, b, p: a if p else b,
+    "selp.u32": lambda a, b, p: a if p else b,
     "selp.b64": lambda a, b, p: a if p else b,
     "mov.u32": lambda a: a,
     "mov.s32": lambda a: a,
@@ -184,22 +186,25 @@ def _address(text: str, regs: dict) -> int:
     return (regs[name] + int(offset or 0)) & MASK["64"]
 
 
-def run(text: str, operands: dict, *, lanes: int = 1, memory: Memory | None = None):
-    """Runs the PTX block ``text`` for each lane (%tid.x = lane) with ``operands`` ($k -> int)
-    -> (each lane's registers, the barriers armed, by address). Lanes run one after the other
-    from one ``bar.sync`` to the next: every lane reaches a barrier before any passes it."""
+def run(text: str, operands: dict | list[dict], *, lanes: int = 1, memory: Memory | None = None):
+    """Runs the PTX block ``text`` for each lane (%tid.x = lane) with ``operands`` ($k -> int or
+    float; or one such dict per lane) -> (each lane's registers, the barriers armed, by
+    address). Lanes run one after the other from one barrier (``bar.sync``, ``bar.red``) to the
+    next: every lane reaches a barrier before any passes it."""
     barriers: dict[int, Barrier] = {}
-    lane_regs = [dict(operands, **{"%tid.x": lane}) for lane in range(lanes)]
-    phases = [[]]
+    per_lane = operands if isinstance(operands, list) else [operands] * lanes
+    lane_regs = [dict(ops, **{"%tid.x": lane}) for lane, ops in enumerate(per_lane)]
+    phases, ends = [[]], []
     for line in text.splitlines():
         line = line.strip().rstrip(";")
         if line in ("", "{", "}") or line.startswith(".reg"):
             continue
-        if line.startswith("bar.sync"):
+        if line.startswith(("bar.sync", "bar.red")):
             phases.append([])
+            ends.append(line)
         else:
             phases[-1].append(line)
-    for phase in phases:
+    for phase, end in zip(phases, [*ends, None], strict=True):
         for regs in lane_regs:
             for line in phase:
                 if line.startswith("@"):
@@ -208,6 +213,11 @@ def run(text: str, operands: dict, *, lanes: int = 1, memory: Memory | None = No
                     if bool(regs[name]) == negate:
                         continue
                 _step(line, regs, memory, barriers)
+        if end and end.startswith("bar.red.or.pred"):  # bar.red.or.pred d, id, count, src
+            dst, _, _, src = (x.strip() for x in end.partition(" ")[2].split(","))
+            result = any(regs[src] for regs in lane_regs)
+            for regs in lane_regs:
+                regs[dst] = result
     return lane_regs, barriers
 
 
@@ -226,12 +236,19 @@ def _step(line: str, regs: dict, memory: Memory | None, barriers: dict) -> None:
         value = _VALUE_OPS[op](*(_value(x, regs) for x in src))
         width = "64" if op.startswith(_WIDE) else "32"
         regs[dst] = value & MASK[width] if isinstance(value, int) else value
-    elif op.startswith("setp."):
-        _, cmp, kind = op.split(".")
-        dst, a, b = operands
+    elif op.startswith("setp."):  # setp.CMP[.or].KIND d, a, b[, c]
+        _, cmp, *either, kind = op.split(".")
+        dst, a, b, *c = operands
         a, b = (_value(x, regs) for x in (a, b))
-        a, b = (_signed(a), _signed(b)) if kind == "s32" else (a & MASK["32"], b & MASK["32"])
-        regs[dst] = _COMPARE[cmp](a, b)
+        if kind == "f32":
+            a, b = _f32(a), _f32(b)
+        elif kind == "s32":
+            a, b = _signed(a), _signed(b)
+        else:
+            a, b = a & MASK["32"], b & MASK["32"]
+        if either:
+            assert either == ["or"], op
+        regs[dst] = _COMPARE[cmp](a, b) or (bool(either) and regs[c[0]])
     elif op == "and.pred":
         dst, a, b = operands
         regs[dst] = regs[a] and regs[b]

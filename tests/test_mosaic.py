@@ -218,6 +218,42 @@ def test_init_ptx_fills_the_first_words_of_a_buffer(words, value):
     assert (got[:words] == value).all() and (got[words:] == 0xABABABAB).all()
 
 
+@pytest.mark.parametrize(
+    "lane, pair, x, limit, expect",
+    [
+        (None, None, None, None, 0),  # every value at or below its limit
+        (77, 2, np.nextafter(np.float32(5), np.float32(6)), 5.0, 1),  # one value just above
+        (0, 0, -1e30, -np.inf, 1),  # a finite score over a running max still at -inf
+        (127, 3, -np.inf, -np.inf, 0),  # a masked key (-inf) over -inf: not above
+        (5, 1, np.nan, 0.0, 0),  # NaN is above nothing
+    ],
+)
+def test_vote_ptx_ors_every_lanes_comparisons(lane, pair, x, limit, expect):
+    """``vote_ptx`` (whether some score of a K warpgroup's tile passes the running max by the
+    rescale slack) run on ``ptx_sim`` by 128 lanes of 4 (value, limit) pairs, values at or
+    below their limits (some equal) but for the one given: every lane gets ``expect``."""
+    rng = np.random.default_rng(0)
+    lanes = []
+    for i in range(128):
+        limits = rng.normal(size=4).astype(np.float32)
+        values = limits - np.float32(rng.integers(0, 2, size=4))  # equal, or 1 below
+        if i == lane:
+            values[pair], limits[pair] = x, limit
+        ops = {f"${2 * k + 1}": float(values[k]) for k in range(4)}
+        lanes.append(ops | {f"${2 * k + 2}": float(limits[k]) for k in range(4)})
+    regs, _ = ptx_sim.run(P.vote_ptx(4, P.VOTE_BARRIER), lanes, memory=ptx_sim.Memory())
+    assert [r["$0"] for r in regs] == [expect] * 128
+
+
+def test_named_barriers_are_distinct_and_past_mosaic_gpus():
+    """Our named barriers (the producer's, the consumers', the K and V consumers', each K
+    warpgroup's vote) differ from each other and from Mosaic GPU's own: 0 and 1 + warpgroup
+    (five warpgroups at most)."""
+    ids = [P.PRODUCER_BARRIER, P.CONSUMER_BARRIER, P.ALL_CONSUMERS_BARRIER]
+    ids += [P.VOTE_BARRIER + c for c in range(P.CONSUMERS)]
+    assert len(set(ids)) == len(ids) and min(ids) > 1 + 4 and max(ids) < 16
+
+
 @pytest.mark.parametrize("align", [P.T, 128])
 @pytest.mark.parametrize("splits", [1, 3, 8])
 def test_work_ptx_covers_each_list_once_in_aligned_splits(splits, align):

@@ -85,6 +85,9 @@ WORK = 32  # int32 words per CTA work entry (Pallas copies move multiples of 128
 PRODUCER_BARRIER = 15  # a named barrier id that Mosaic GPU's own (1 + warpgroup) never takes
 CONSUMER_BARRIER = 14  # the consumers' named barrier (128 * CONSUMERS threads), likewise free
 ALL_CONSUMERS_BARRIER = 13  # ``kv_split``: the K and the V consumers together, likewise free
+VOTE_BARRIER = 11  # ``kv_split``: K warpgroup c's vote (``_any_above``) takes 11 + c, likewise
+# ``kv_split``: the running max stays until a score passes it by this (log2 units; P <= 2^8)
+RESCALE_SLACK = 8.0
 PRODUCER_REGISTERS = 40
 MAX_ROWS = 2**31  # the gather's record indices are int32
 FP4_WORDS = 16  # uint32 words of an UltraQuant slice: 128 dims, four 32-dim scale groups
@@ -902,6 +905,46 @@ def _consumers_barrier(barrier: int = CONSUMER_BARRIER, warpgroups: int = CONSUM
     sync()
 
 
+def vote_ptx(pairs: int, barrier: int) -> str:
+    """$0 = 1 if $(2i + 1) > $(2i + 2) (f32) for some i < ``pairs`` in any thread of the
+    warpgroup, else 0: each thread ORs its comparisons (``setp.gt.or``), then ``bar.red.or.pred``
+    on named barrier ``barrier`` (128 threads) ORs the warpgroup's."""
+    tests = "".join(f"\nsetp.gt.or.f32 p, ${2 * i + 1}, ${2 * i + 2}, p;" for i in range(pairs))
+    return f"""{{
+.reg .pred p;
+setp.ne.u32 p, 0, 0;{tests}
+bar.red.or.pred p, {barrier}, 128, p;
+selp.u32 $0, 1, 0, p;
+}}"""
+
+
+def _any_above(x, limit, barrier: int):
+    """Whether any element of ``x`` exceeds ``limit`` (both f32 [T, m] in the WGMMA layout) in
+    any thread of the warpgroup: a uint32 splat, 1 or 0 (``vote_ptx``: one barrier, where a
+    max over the keys takes shuffles and a round trip through SMEM)."""
+    plgpu, _, ir, llvm, _, arith = _mgpu()
+    from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
+
+    wgmma = plgpu.Layout.WGMMA
+    out = plgpu.ShapeDtypeStruct((), jnp.uint32, plgpu.Layout.WG_SPLAT(shape=()))
+
+    @plgpu.inline_mgpu(arg_types=(wgmma, wgmma), return_type=out)
+    def vote(ctx, x, limit):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        operands = []
+        for reg, lim in zip(x.registers.flat, limit.registers.flat, strict=True):
+            for i in range(ir.VectorType(reg.type).shape[0]):
+                at = arith.constant(i32, i)
+                operands += [llvm.extractelement(reg, at), llvm.extractelement(lim, at)]
+        ptx = vote_ptx(len(operands) // 2, barrier)
+        constraints = "=r" + ",f" * len(operands)
+        bit = llvm.inline_asm(i32, operands, ptx, constraints, has_side_effects=True)
+        return mgpu.FragmentedArray.splat(bit, (), is_signed=False)
+
+    return vote(x, limit)
+
+
 def _stage_q_rows(fmt: RowFormat, c: int, q_rows, q_lat, q_rope, row0, q_max):
     """Consumer ``c`` stages its part of q's rows ``q_rows`` [heads, 576] (GMEM) from row
     ``row0`` on into ``q_lat`` and ``q_rope`` (SMEM): ``q_rows_ptx``. float16 formats first
@@ -1508,10 +1551,17 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             visible = by_key(ids) >= 0
             sc_t = jnp.where(visible, sc_t * by_row(score_scale), -jnp.inf)  # log2 units
             take_turn(t)
-            m_run = load(s["ml"].at[pl.ds(0, m)], per_row)  # tile t - 1's (-inf at init)
-            # the reduction's warpgroup barrier orders every thread's load before the store
-            m_new = jnp.maximum(m_run, sc_t.max(axis=0))
-            s["ml"][pl.ds(0, m)] = m_new
+            m_run = load(s["ml"].at[pl.ds(0, m)], per_row)  # after tile t - 1 (-inf at init)
+            # the vote's barrier orders every thread's load before the store
+            limit = by_row(m_run + RESCALE_SLACK)
+            grows = _any_above(sc_t, limit, VOTE_BARRIER + c)
+
+            @pl.when(grows != 0)
+            def _():
+                s["ml"][pl.ds(0, m)] = jnp.maximum(m_run, sc_t.max(axis=0))
+                plgpu.commit_smem()  # (a warpgroup barrier) the store precedes every load
+
+            m_new = load(s["ml"].at[pl.ds(0, m)], per_row)
             plgpu.barrier_arrive(s["turn"].at[1 - c])
             alpha, p = softmax_step(sc_t, m_run, m_new, by_row)
             l_acc = l_acc * by_row(rebase(m_own, m_new)) + p
