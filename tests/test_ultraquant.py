@@ -108,7 +108,8 @@ def test_sm_scale_and_peaky(impl):
 def test_scores_rising_along_the_sequence(impl):
     """K grows 2^4 along each sequence, so that the running max of the scores rises from one
     64-key tile to the next: by more than 8 (log2 units; the Mosaic kernel's rescale slack) at
-    6 of request 0's 10 tiles and all 5 of request 1's, by less at request 0's other 4."""
+    6 of request 0's 10 tiles and all 5 of request 1's (the first tiles among them), by less at
+    request 0's other 4."""
     case = C.uq_case(15, seq_lens=(640, 300), hk=1, g=8, bs=64, k_ramp=4, q_scale=0.5)
     check(impl, case, run(case, impl))
 
