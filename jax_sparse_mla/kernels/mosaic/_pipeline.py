@@ -1519,11 +1519,13 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
         """``kv_split``: K warpgroup c scores every other tile (t = c mod 2) over all of K's
         dims and runs the online softmax on it, so that the two K warpgroups exchange no
         partial scores. The running max passes from tile t - 1 to tile t through ``ml`` with
-        the turn (``turn``); Mosaic GPU's cross-warp reductions, whose SMEM scratch is one per
-        CTA, run only while a warpgroup holds it. Each keeps its sums per thread ([T, m], on
-        the max of its latest tile) and reduces them once after the walk; the warpgroup whose
-        turn comes last adds both. P^T and alpha go to the V warpgroups in slot c
-        (``p_full``) once they freed it (``p_free``)."""
+        the turn (``turn``) and moves only when a score of the tile passes it by
+        ``RESCALE_SLACK`` (``_any_above``: one barrier; P then stays <= 2^8, and the output,
+        normalized by the sum, does not depend on the max used); Mosaic GPU's cross-warp
+        reductions, whose SMEM scratch is one per CTA, run only while a warpgroup holds it.
+        Each keeps its sums per thread ([T, m], on the max of its latest tile) and reduces
+        them once after the walk; the warpgroup whose turn comes last adds both. P^T and alpha
+        go to the V warpgroups in slot c (``p_full``) once they freed it (``p_free``)."""
         plgpu.set_max_registers(consumer_registers(fmt.consumers), action="increase")
         score_scale = load(s["scale"].at[pl.ds(0, m)], per_row)
         shift = fp4_shift()

@@ -2,7 +2,8 @@
 
 The pipeline of ``_pipeline`` (a producer warpgroup gathering cache rows; its consumers split by K
 and by V, ``RowFormat.kv_split``: two warpgroups convert K and score, each every other tile with its
-own softmax, two convert V and multiply P @ V) over 272-byte slots: K's 128 bytes of E2M1 codes
+own softmax, whose running max lags the scores' by up to 8 in log2 units, two convert V and
+multiply P @ V) over 272-byte slots: K's 128 bytes of E2M1 codes
 (element 2i in the low nibble) and 8 UE8M0 group scales, then V's. One CTA owns the G query heads of
 one KV head of one request (padded to 16 rows, or 32 past 16) and one split of its tokens. For token
 j of the split, the producer reads the request's block-table entry j // block_size itself (no slot
