@@ -350,6 +350,18 @@ def test_gather_ptx_copies_each_scale_word_once(name):
     assert ("cp.async.mbarrier.arrive" in text) == bool(fmt.scale_words)
 
 
+def test_tma_boxes_where_pages_tile_the_tiles():
+    """UltraQuant's rows come as TMA boxes of a page (or of 64 keys of a larger page) where
+    pages of 16 tokens or more tile the 64-key tiles or are tiled by them, and a 288-byte box
+    fits in a row of the KV heads' slots; else the producer's lanes copy them."""
+    sizes = (8, 16, 32, 48, 64, 96, 128, 256)
+    assert [U.tile_rows(bs, 2 * 272) for bs in sizes] == [0, 16, 32, 0, 64, 0, 64, 64]
+    assert [U.tile_rows(16, row) for row in (272, 288, 8 * 272)] == [0, 16, 16]
+    assert U.row_format(8, 64, 8 * 272).tile_rows == 64 and U.row_format(8, 64).tile_rows == 0
+    text = P.gather_ptx(U.row_format(8, 64, 8 * 272), 64 * 10, 8 * 272)
+    assert "cp.async.cg" not in text and "cp.async.bulk" not in text  # no row copies
+
+
 def test_paged_gather_reads_the_block_table_itself():
     """UltraQuant's producer turns positions into slots from the block table (page = position
     / block size, masked outside [0, num_blocks)): no slot list is built."""
@@ -400,14 +412,17 @@ def _run_gather(fmt, cache, table, *, length, position=0, head=0):
 
 
 def _check_staged(fmt, cache, slots, head, staged):
-    """``staged`` (``_run_gather``'s tile) against the expected slots [T] (-1: masked)."""
+    """``staged`` (``_run_gather``'s tile) against the expected slots [T] (-1: masked); with
+    ``fmt.tile_rows`` the rows are TMA boxes (``_copy_tile``), not the PTX's: only the ids and
+    the scale words."""
     raw, ids, sc = staged
     np.testing.assert_array_equal(ids, slots)
     for j, slot in enumerate(slots):
         want = cache[slot, head : head + fmt.row_bytes] if slot >= 0 else P.masked_row(fmt)
-        np.testing.assert_array_equal(raw[j], want, err_msg=f"row {j}")
+        if not fmt.tile_rows:
+            np.testing.assert_array_equal(raw[j], want, err_msg=f"row {j}")
         for i, offset in enumerate(fmt.scale_words):
-            word = raw[j, offset : offset + 4].view("<u4")[0]
+            word = want[offset : offset + 4].view("<u4")[0]
             assert sc[i, j] == word, (j, i)
 
 
@@ -431,13 +446,16 @@ def test_gather_ptx_stages_each_listed_row_and_masks_the_rest(name, lane_copies)
         _check_staged(fmt, cache, tile, 0, staged)
 
 
-@pytest.mark.parametrize("lane_copies", [False, True])
+@pytest.mark.parametrize("copies", ["bulk", "lanes", "tiles"])
 @pytest.mark.parametrize("name", ["ultraquant", "ultraquant, 32 rows"])
-def test_paged_gather_ptx_resolves_the_block_table(name, lane_copies):
+def test_paged_gather_ptx_resolves_the_block_table(name, copies):
     """UltraQuant's producer PTX run lane by lane from a split starting at position 64: lane j
     of a tile stages slot table[p // block] * block + p % block (p its position) of the CTA's
-    KV head, or zeros where the entry is outside [0, pages); only the table row is read."""
-    fmt = FORMATS[name]._replace(lane_copies=lane_copies)
+    KV head, or zeros where the entry is outside [0, pages); only the table row is read. With
+    TMA boxes (``tiles``) the lanes stage the ids and scale words and copy no row."""
+    fmt = FORMATS[name]._replace(lane_copies=copies != "bulk")
+    if copies == "tiles":
+        fmt = fmt._replace(tile_rows=min(fmt.page_size, P.T))
     block, pages, heads, hb = fmt.page_size, 12, 3, 1
     rng = np.random.default_rng(1)
     cache = rng.integers(0, 256, (pages * block, heads * fmt.row_bytes), np.uint8)
@@ -842,17 +860,20 @@ def test_lowering_calls_no_deprecated_jax_api():
     "hq,hk,blocks", [(8, 1, 40), (16, 2, 40), (24, 1, 40), (2, 2, 40), (64, 8, 130_000)]
 )
 def test_ultraquant_cuda_lowering_hands_the_cache_itself_to_the_kernel(hq, hk, blocks):
-    """One Mosaic GPU call whose cache operand is the argument reshaped (a view: one row of Hk
-    slots per token) and whose index operand is the block table itself: no slot list. Also
-    past 4 GiB of cache (130,000 blocks of 16 tokens of 8 slots: 4.2 GiB; the gather's byte
-    offsets are 64-bit)."""
+    """One Mosaic GPU call whose cache operand is the argument reshaped and bitcast to uint32
+    (views: one row of Hk slots per token, 4 bytes a word) and whose index operand is the
+    block table itself: no slot list. Also past 4 GiB of cache (130,000 blocks of 16 tokens of
+    8 slots: 4.2 GiB; the gather's byte offsets are 64-bit)."""
     text = _uq_lowered_text(3, hq, hk, blocks=blocks)
     calls = re.findall(r"stablehlo\.custom_call @mosaic_gpu\w*\(([^)]*)\)", text)
     assert len(calls) == 1, text[:2000]
     cache, table = (x.strip() for x in calls[0].split(",")[:2])
-    assert re.search(
-        rf"{cache} = stablehlo\.reshape %arg1 : .* -> tensor<{16 * blocks}x{272 * hk}xui8>", text
-    )
+    rows = f"{16 * blocks}x{68 * hk}"
+    bitcast = rf"{cache} = stablehlo\.bitcast_convert (%\w+) : .* -> tensor<{rows}xui32>"
+    words = re.search(bitcast, text)
+    assert words, text[:2000]
+    shape = rf"tensor<{rows}x4xui8>"
+    assert re.search(rf"{words.group(1)} = stablehlo\.reshape %arg1 : .* -> {shape}", text)
     assert re.search(rf"{table} = stablehlo\.reshape %arg2 : .* -> tensor<21xi32>", text)
 
 

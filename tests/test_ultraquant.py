@@ -42,9 +42,13 @@ def test_groups_past_16(impl, g):
 
 
 @impls.each_ultraquant
-@pytest.mark.parametrize("bs", [16, 32, 64, 128, 256])
-def test_block_sizes(impl, bs):
-    case = C.uq_case(bs, seq_lens=(1, bs - 1, bs, bs + 1, 2 * bs + 7), hk=1, g=8, bs=bs)
+@pytest.mark.parametrize("hk", [1, 2])
+@pytest.mark.parametrize("bs", [16, 32, 48, 64, 128, 256])
+def test_block_sizes(impl, bs, hk):
+    """Partial pages and tiles. On the Mosaic kernel hk=2 with pages that tile its 64-key
+    tiles (or that they tile) takes the TMA boxes (one per page, or per 64 keys of a larger
+    page); hk=1 (272-byte rows, narrower than a box) and bs=48 the producer's lane copies."""
+    case = C.uq_case(bs + hk, seq_lens=(1, bs - 1, bs, bs + 1, 2 * bs + 7), hk=hk, g=8, bs=bs)
     check(impl, case, run(case, impl))
 
 
@@ -91,9 +95,12 @@ def test_seq_lens_clamped_and_empty(impl):
 
 
 @impls.each_ultraquant
-def test_masked_blocks(impl):
-    # block-table entries out of range inside the sequences mask their tokens (whole blocks)
-    case = C.uq_case(10, seq_lens=(40, 100, 16), hk=2, g=8, bs=16, p_bad_block=0.4)
+@pytest.mark.parametrize("bs", [16, 64])
+def test_masked_blocks(impl, bs):
+    """Block-table entries out of range inside the sequences mask their tokens (whole blocks;
+    on the Mosaic kernel a TMA box from past the cache's rows, which arrives as zeros)."""
+    seq_lens = (40, 100, 16) if bs == 16 else (150, 300, 64)
+    case = C.uq_case(10 + bs, seq_lens=seq_lens, hk=2, g=8, bs=bs, p_bad_block=0.4)
     check(impl, case, run(case, impl))
 
 

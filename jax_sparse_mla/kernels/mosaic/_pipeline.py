@@ -13,12 +13,14 @@ key list, walked in tiles of ``T`` = 64 keys. Three warpgroups (UltraQuant: five
 * the producer gathers a tile into a ring of SMEM stages: lane j of its 128 threads takes index
   j of the tile and copies that key's cache row into SMEM row j with one ``cp.async.bulk``
   (UltraQuant's 272-byte slots: lanes 2j and 2j + 1 copy row j in 16-byte ``cp.async``
-  chunks, ``RowFormat.lane_copies``), stores the index (-1 when masked) and, for fp8_ds_mla,
-  copies the record's four scales with ``cp.async``; lane 0 then arms the stage's mbarrier
-  with the tile's bytes. The indices of the next tile are prefetched into SMEM with
-  ``cp.async`` too, so no global load waits on the producer's path. This is inline PTX:
-  Mosaic GPU's own copy primitive makes all 128 threads arrive on the barrier for every copy
-  and moves only multiples of 128 bytes;
+  chunks, ``RowFormat.lane_copies``, or, where its pages tile the tiles, TMA boxes of a
+  page's slots of the CTA's KV head, ``RowFormat.tile_rows``), stores the index (-1 when
+  masked) and, for fp8_ds_mla, copies the record's four scales with ``cp.async``; lane 0
+  then arms the stage's mbarrier with the tile's bytes. The indices of the next tile are
+  prefetched into SMEM with ``cp.async`` too, so no global load waits on the producer's path.
+  This is inline PTX: Mosaic GPU's own copy primitive makes all 128 threads arrive on the
+  barrier for every copy and moves only multiples of 128 bytes (its TMA boxes are
+  ``_copy_tile``'s);
 * ``CONSUMERS`` = 2 consumers split each tile's latent dims: consumer c converts chunks 2c and
   2c + 1 of K's fp8 codes to bf16 (float16 for the decode) in registers (exact; inline PTX)
   and computes its part of the transposed scores S^T [keys, rows] = K Q^T on wgmma (K as the
@@ -128,6 +130,12 @@ class RowFormat(NamedTuple):
       seq=32768: 8702.7 -> 8279.7 us), slower for the 576- and 656-byte latent rows
       (``mla_decode`` B=128 seq=32768 qlen=1 955.6 -> 1011.9, ``sparse_mla`` n_q=128 H=16
       82.2 -> 90.0; one run, 2026-12-03).
+    tile_rows: with ``lane_copies`` and pages that tile T (``fp4``), the rows of a TMA box: the
+      producer copies its KV head's slots of the tile as T // ``tile_rows`` boxes [tile_rows,
+      pitch / 4] uint32 of the cache viewed as uint32 rows, one per page or per T keys of a
+      page (the box's pitch - row_bytes bytes past the slot come along, from the next KV head
+      or past the row: zeros), completing on the stage's ``tile_bars``; its lanes copy only
+      the ids and the scale words. 0: the lanes copy the rows.
     """
 
     row_bytes: int
@@ -141,6 +149,7 @@ class RowFormat(NamedTuple):
     page_size: int = 0
     heads: int = 0
     lane_copies: bool = False
+    tile_rows: int = 0
 
     @property
     def kv_split(self) -> bool:
@@ -398,6 +407,8 @@ def _lane_copies_ptx(fmt: RowFormat) -> str:
     """Every lane's 16-byte ``cp.async`` copies of its half of a row (``RowFormat.lane_copies``:
     two lanes per row), then its ``cp.async.mbarrier.arrive``; lane 0 arrives once all have."""
     assert 2 * T == 128, "two producer lanes per row"
+    if fmt.tile_rows:  # the rows come as TMA boxes (``produce``)
+        return _LANE_ARM
     chunks = fmt.row_bytes // 16
     copies = [
         ("@even " if 2 * i + 1 == chunks else "")
@@ -847,6 +858,7 @@ def _gather_tile(fmt: RowFormat, refs, remaining, t, head=None, position=None):
     arg_types = (ref,) * 5 + (splat,) + (ref,) * 2 + (splat,) + (ref,) * scales
     arg_types += (splat,) * (fmt.fp4 + bool(fmt.page_size))
     rows, stride = refs[0].shape
+    stride *= jnp.dtype(refs[0].dtype).itemsize  # bytes
 
     @plgpu.inline_mgpu(arg_types=arg_types)
     def gather(ctx, cache, idx, raw, bar, ids, remaining, zero, ring, t, *rest):
@@ -1247,8 +1259,29 @@ def produce(fmt: RowFormat, s: dict, inputs, groups: int, walk, hb, hbs: int):
         ]
         if fmt.scale_words:
             stage_refs.append(s["sc"].at[stage])
-        head = hb * (cache.shape[1] // hbs) if fmt.fp4 else None  # this KV head's slot
+        words = cache.shape[1] // hbs  # this KV head's slot, from word hb * words of a row
+        head = hb * words * jnp.dtype(cache.dtype).itemsize if fmt.fp4 else None
         _gather_tile(fmt, stage_refs, length - t * T, t, head, position)
+        if fmt.tile_rows:
+            _copy_tile(fmt, cache, s, stage, hb * words)
+
+
+def _copy_tile(fmt: RowFormat, cache, s: dict, stage, word):
+    """``fmt.tile_rows``: the tile's slots of one KV head (from uint32 ``word`` of the cache's
+    [N, W] uint32 rows) into ``raw[stage]`` as T // tile_rows TMA boxes [tile_rows, pitch / 4],
+    box i from the cache row of key i * tile_rows (``ids``, written by the lanes before their
+    barrier; a page tiles T or T tiles a page, so the box's keys are consecutive rows); a
+    masked key's box starts at row N: wholly out of bounds, it arrives as zeros."""
+    plgpu = _mgpu()[0]
+    rows, width = cache.shape[0], fmt.pitch // 4
+    for i in range(T // fmt.tile_rows):
+        row = s["ids"][stage, i * fmt.tile_rows]
+        row = jnp.where(row >= 0, row, rows)
+        plgpu.copy_gmem_to_smem(
+            cache.at[pl.ds(row, fmt.tile_rows), pl.ds(word, width)],
+            s["raw"].at[stage, pl.ds(i * fmt.tile_rows, fmt.tile_rows)],
+            s["tile_bars"].at[stage],
+        )
 
 
 def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
@@ -1340,6 +1373,14 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
     pl.when(wg == fmt.consumers)(
         functools.partial(produce, fmt, s, (cache, idx_ref, zero), q_ref.shape[0], walk, hb, hbs)
     )
+
+    def wait_stage(stage, t):
+        """Waits for tile t in ``stage``: its ids and scales (and rows), with
+        ``fmt.tile_rows`` its TMA boxes too (every other tile for a K warpgroup: with an even
+        stage count it still sees every phase of the stages it waits on)."""
+        _wait(s["rec_bars"].at[pl.ds(stage, 1)], jax.lax.rem(t // stages, 2))
+        if fmt.tile_rows:
+            plgpu.barrier_wait(s["tile_bars"].at[stage])
 
     def fp4_shift():
         """[T, FP4_WORDS] uint32: each column's bit offset of its group's UE8M0 byte in a
@@ -1450,7 +1491,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
         def tile(t, carry, acc_refs):
             m_run, l_run = carry
             stage = jax.lax.rem(t, stages)
-            _wait(s["rec_bars"].at[pl.ds(stage, 1)], jax.lax.rem(t // stages, 2))
+            wait_stage(stage, t)
             ids = load(s["ids"].at[stage], per_key)
             if chunk_scales:
                 sc = [load(s["sc"].at[stage, ch], per_key) for ch in chunks]
@@ -1539,7 +1580,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             m_own, l_acc = carry  # the max of this warpgroup's latest tile, its sums' base
             t = 2 * i + c
             stage = jax.lax.rem(t, stages)
-            _wait(s["rec_bars"].at[pl.ds(stage, 1)], jax.lax.rem(t // stages, 2))
+            wait_stage(stage, t)
             ids = load(s["ids"].at[stage], per_key)
 
             def run(acc):
@@ -1618,7 +1659,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             @pl.loop(0, count)
             def _(t):
                 stage = jax.lax.rem(t, stages)
-                _wait(s["rec_bars"].at[pl.ds(stage, 1)], jax.lax.rem(t // stages, 2))
+                wait_stage(stage, t)
                 plgpu.wgmma_wait(0)  # tile t - 1's P @ V has read ``v`` and its P^T slot
 
                 @pl.when(t >= 1)
@@ -1709,6 +1750,9 @@ def _scratch(fmt: RowFormat, rule: SplitRule | None) -> dict:
             num_arrivals=CONSUMERS + 1 if fmt.kv_split else fmt.consumers, num_barriers=stages
         ),
     }
+    if fmt.tile_rows:  # the TMA boxes of a stage (``_copy_tile``)
+        assert stages % 2 == 0, "the K warpgroups wait on every other tile"
+        scratch["tile_bars"] = plgpu.Barrier(num_arrivals=T // fmt.tile_rows, num_barriers=stages)
     if fmt.kv_split:  # P^T (``p``'s two blocks) and alpha handed from K to V, two slots
         scratch["alpha"] = plgpu.SMEM((2, 32), jnp.float32)
         scratch["p_full"] = plgpu.Barrier(num_arrivals=1, num_barriers=2)
