@@ -29,7 +29,8 @@ from jax_sparse_mla.kernels.mosaic._pipeline import (
 
 
 def attention(fmt: RowFormat, cache, idx, lists, q, score_scale, out_scale, *, finished=True):
-    """Runs the kernel: ``cache`` [N, row_bytes] uint8 (``fmt.fp4``: [N, HB * row_bytes]),
+    """Runs the kernel: ``cache`` [N, row_bytes] uint8 (``fmt.fp4``: [N, HB * slot_bytes / 4]
+    uint32, one row of HB slots per token),
     ``idx`` [nnz] int32, ``lists`` the key lists: work entries [G, S, WORK] (``work_lists``)
     or (indptr [G + 1] int32, ``SplitRule``) for the kernel to split; ``q`` [G, heads, 576]
     bf16 rows as they are (``fmt.fp4``: [G, HB, FP4_SLICES, Q_PIECES * m, FP4_WORDS] from

@@ -831,8 +831,9 @@ def _init_barriers(bars_ref, count: int, work=None, fill=None, words: int = 0, v
 def _gather_tile(fmt: RowFormat, refs, remaining, t, head=None, position=None):
     """Producer warpgroup, tile ``t`` of keys ``idx[:min(T, remaining)]``.
 
-    ``refs`` = (cache, idx, raw, bar, ids, zero, ring[, sc]); ``cache`` [rows, stride] uint8 holds
-    one row (``fmt.fp4``: one per KV head, ``head`` the byte offset of this CTA's). Lane j < T:
+    ``refs`` = (cache, idx, raw, bar, ids, zero, ring[, sc]); ``cache`` [rows, stride] (uint8;
+    ``fmt.fp4``'s as uint32 words) holds one row (``fmt.fp4``: one per KV head, ``head`` the
+    byte offset of this CTA's). Lane j < T:
     ``key = idx[j]`` (read from global memory on tile 0, else from slot t % 2 of ``ring``, where
     tile t - 1 prefetched it; -1 past ``remaining`` or outside [0, rows): such a key's row is never
     read; the row ``zero`` (``masked_row``) is copied in its place, so its K, V and scales are 0 but
@@ -849,7 +850,8 @@ def _gather_tile(fmt: RowFormat, refs, remaining, t, head=None, position=None):
     found from ``ids`` (``_lane_copies_ptx``), arrives on ``bar`` through
     ``cp.async.mbarrier.arrive``, and lane 0 arrives (no bytes expected) after a second barrier;
     the index copies wait with ``cp.async.wait_group 1`` (they are a group of their own), not for
-    the last tile's rows.
+    the last tile's rows. With ``fmt.tile_rows`` as well, the lanes copy no row chunks (the rows
+    are ``_copy_tile``'s TMA boxes, on a barrier of their own).
     """
     plgpu, mgpu_utils, ir, llvm, _, _ = _mgpu()
     splat = plgpu.Layout.WG_SPLAT(shape=())
@@ -1288,8 +1290,9 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
     """One CTA: rows [hb * m, hb * m + m) of group g, split ``split`` of its keys (m =
     ``fmt.m``).
 
-    Inputs (GMEM): cache [N, row_bytes] uint8; idx [nnz] int32 (a tile's slice may extend past
-    nnz: entries past its key count are never read); zero [row_bytes] uint8 (the row copied for
+    Inputs (GMEM): cache [N, row_bytes] uint8 (``fmt.fp4``: [N, HB * slot_bytes / 4] uint32);
+    idx [nnz] int32 (a tile's slice may extend past nnz: entries past its key count are never
+    read); zero [row_bytes] uint8 (the row copied for
     a masked key, ``masked_row``); q [G, heads, 576] bf16 rows (``fmt.fp4``: ``fp4_q``'s
     operands, copied by TMA); the lists: work [G, S, WORK] int32 (first position in idx, key
     count, first key position of the split within its group's list, the list's length, 0...),
