@@ -1,11 +1,13 @@
 """Skips tests whose hardware is missing: ``gpu`` (an NVIDIA GPU) and ``gfx950`` (an MI355).
 
 Asked for by name (``-m gfx950``) without a gfx950 device, the run fails instead, saying what
-jax sees and what to install. Under pytest-xdist (``-n``), jax does not preallocate GPU memory.
+jax sees and what to install. Under pytest-xdist (``-n``), jax does not preallocate GPU
+memory. Each test module frees its compiled programs when it ends.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 
@@ -19,6 +21,7 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from jax_sparse_mla._platform import devices_seen, gpu_platforms
+from tests import impls
 
 
 def _gfx950_requested(config) -> bool:
@@ -46,3 +49,15 @@ def pytest_collection_modifyitems(config, items):
         for marker, (needs, reason) in skips.items():
             if marker in item.keywords and needs not in gpu_platforms():
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Frees the module's compiled programs when it ends (``impls.jitted``'s functions and jax's
+    caches). Each program XLA compiles for the CPU holds memory maps of its own; kept for the
+    whole suite they reach Linux's default limit of 65530 maps per process (vm.max_map_count)
+    near its end, and XLA's CPU compiler then crashes (a segmentation fault) when a map fails."""
+    yield
+    impls.jitted.cache_clear()
+    jax.clear_caches()
+    gc.collect()
