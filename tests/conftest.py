@@ -21,7 +21,6 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from jax_sparse_mla._platform import devices_seen, gpu_platforms
-from tests import impls
 
 
 def _gfx950_requested(config) -> bool:
@@ -53,11 +52,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-    """Frees the module's compiled programs when it ends (``impls.jitted``'s functions and jax's
-    caches). Each program XLA compiles for the CPU holds memory maps of its own; kept for the
-    whole suite they reach Linux's default limit of 65530 maps per process (vm.max_map_count)
-    near its end, and XLA's CPU compiler then crashes (a segmentation fault) when a map fails."""
+    """Frees the module's compiled programs when it ends (``jax.clear_caches`` empties every
+    jitted function's cache, ``impls.jitted``'s too). Each program XLA compiles for the CPU
+    holds memory maps of its own; kept for the whole suite they reach Linux's default limit of
+    65530 maps per process (vm.max_map_count) near its end, and XLA's CPU compiler then
+    crashes (a segmentation fault) when a map fails."""
     yield
-    impls.jitted.cache_clear()
     jax.clear_caches()
     gc.collect()
