@@ -3,7 +3,8 @@
 ``by_platform`` picks a branch per lowering platform (a lowering holds only its own platform's
 branch); within a branch the choice is made at trace time from the devices of this process:
 ``hopper_or`` (CUDA: the Pallas kernels on Hopper or newer) and ``gfx950_or`` (ROCm: the FlyDSL
-kernels on MI355 GPUs, when the FFI library has them and their self-check passed). With no
+kernels on MI355 GPUs, when the FFI library has the configurations a call launches and each
+passed its own self-check on this GPU: ``_verdicts``). With no
 device of the lowering's platform in the process (lowering for another host) the target is
 assumed to be the one the kernels are for.
 """
@@ -17,7 +18,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jax_sparse_mla import ffi
+from jax_sparse_mla import _verdicts, ffi
 from jax_sparse_mla._vma import vary_like
 
 
@@ -188,22 +189,21 @@ def flydsl_available() -> bool:
 
 
 def gfx950_or(
-    family: str, kernel_fn: Callable, fallback: Callable, unsupported: Callable
+    kernel_fn: Callable, fallback: Callable, unsupported: Callable, configurations: Callable
 ) -> Callable:
     """The ROCm branch of ``implementation=None``: ``kernel_fn`` when the target is gfx950,
-    ``unsupported(*args, **options)`` is None and the kernel ``family`` (a key of
-    ``self_check.FAMILIES``) passed its self-check on this machine's GPU, else ``fallback``;
-    decided at trace time (the self-check runs eagerly, once)."""
+    ``unsupported(*args, **options)`` is None and every kernel configuration the call launches
+    (``configurations(*args, **options)``) passed its self-check on this machine's GPU
+    (``_verdicts.trusted``: verified lazily, in a child process, the first time a configuration
+    would run), else ``fallback``; decided at trace time. With no ROCm device in this process
+    (lowering for another host) nothing can be checked and the kernels are chosen."""
 
     def run(*args, **options):
-        from jax_sparse_mla.self_check import kernels_verified  # imports the ops: not at the top
-
-        if (
-            flydsl_available()
-            and unsupported(*args, **options) is None
-            and kernels_verified(family)
-        ):
-            return kernel_fn(*args, **options)
+        if flydsl_available() and unsupported(*args, **options) is None:
+            devices = rocm_devices()
+            symbols = configurations(*args, **options)
+            if not devices or _verdicts.trusted(symbols, devices[0].device_kind):
+                return kernel_fn(*args, **options)
         return fallback(*args, **options)
 
     return run

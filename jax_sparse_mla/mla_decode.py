@@ -28,8 +28,11 @@ from jax_sparse_mla.emulation.mla_decode import (
 )
 from jax_sparse_mla.ffi.calls import (
     merge_attn_states_flydsl,
+    merge_configurations,
     merge_unsupported,
+    mla_decode_configurations,
     mla_decode_flydsl,
+    mla_decode_partials_configurations,
     mla_decode_partials_flydsl,
     mla_decode_unsupported,
 )
@@ -117,6 +120,9 @@ _FLYDSL = DecodeImplementation(
 _FLYDSL_UNSUPPORTED = DecodeImplementation(
     mla_decode_unsupported, merge_unsupported, mla_decode_unsupported
 )
+_FLYDSL_CONFIGURATIONS = DecodeImplementation(
+    mla_decode_partials_configurations, merge_configurations, mla_decode_configurations
+)
 
 
 def _f32_parts(partials: Callable) -> Callable:
@@ -142,7 +148,12 @@ def _auto(field: str):
     return by_platform(
         default=xla,
         cuda=hopper_or(getattr(_COMPILED, field), xla, mosaic),
-        rocm=gfx950_or("mla_decode", flydsl, xla, getattr(_FLYDSL_UNSUPPORTED, field)),
+        rocm=gfx950_or(
+            flydsl,
+            xla,
+            getattr(_FLYDSL_UNSUPPORTED, field),
+            getattr(_FLYDSL_CONFIGURATIONS, field),
+        ),
     )
 
 

@@ -1,137 +1,193 @@
-"""Verify on first use: the gfx950 kernels run against their emulation on this machine's GPU
-before ``implementation=None`` chooses them.
+"""The self-check of the gfx950 kernels: each compiled configuration against its emulation.
 
-A kernel family (``FAMILIES``: sparse_mla; mla_decode = partials + combine; ultraquant =
-partials + reduce) is checked the first time ``implementation=None`` would choose it on a gfx950
-(MI355) ROCm device: a few small cases (masked indices, an empty row / request, qlen 1 and 2,
-G 6 / 8 / 16, several splits and partitions) run with ``implementation="flydsl"`` and
-``"gfx950_emulation"`` on the same inputs, and every output must lie within the kernel-vs-
-emulation bound of the emulation module's docstring (``emulation/bounds.py``). The check runs
-eagerly on concrete arrays, also when the first call is being traced by ``jax.jit``.
+``PLAN`` maps every kernel configuration the ops can launch (``configs.user_symbols()``: 32
+sparse_mla, 3 mla_decode partials and the combine, 15 UltraQuant decode and the reduce) to its
+cases: small deterministic inputs run with the kernel (``implementation="flydsl"``) and with
+``"gfx950_emulation"``, every output within the kernel-vs-emulation bound of the emulation
+module's docstring (``emulation/bounds.py``). The cases are chosen so that every code path of
+the configuration runs:
 
-The verdict is kept for the process and on disk, per (device name, sha256 of the FFI library,
-hash of this check's and the emulation's sources), under ``$JAX_SPARSE_MLA_SELFCHECK_CACHE``
-(default ``$XDG_CACHE_HOME/jax_sparse_mla``, else ``~/.cache/jax_sparse_mla``; ``off``: keep
-verdicts in memory only). A family that fails, or whose kernels the FFI library does not have,
-runs "xla" instead, with one warning naming the kernel, the case and the error. An explicit
-``implementation="flydsl"`` is never redirected. Lowering for ROCm on a host without ROCm
-devices (nothing to check on) chooses the kernels unchecked.
+* sparse_mla (each head count 1..16, with and without lse): rows of 0, 1, 300 and 2100 keys
+  (the 256-entry index scan makes 9 passes) and an all -1 row; a tenth of the entries -1, a
+  fifth other negatives or past the last record.
+* mla_decode partials (qlen 1, 2, 4; 20 heads, so the last 16-row group is partial): an empty
+  request, one whose scores rise along its keys and one whose scores fall (1000 and 900 keys,
+  2 splits: 4 blocks of 128 keys per split, so the second LDS slot, its prefetch and the
+  rescale by an earlier maximum run), a short one; causal rows for qlen > 1; masked indices.
+  The combine: partials with -inf lse over NaN / inf garbage, a row with no live partial, and
+  a single split.
+* UltraQuant (each G and block size): 3 partitions over requests of 0, 507 and 391
+  tokens, a block-table entry -1 and one past the last block. The reduce: random partials,
+  some with no keys.
 
-``jax_sparse_mla.selfcheck()`` runs every family and prints the table of cases.
+The platform choice (``_verdicts``) runs the cases of the configurations a call needs in a
+child process, ``python -m jax_sparse_mla.self_check --child ...``, which prints one JSON event
+per line (``start`` / ``done`` per case, ``finished`` per configuration).
+``JAX_SPARSE_MLA_SELFCHECK_FAULT=KIND:SYMBOL`` (tests only) makes the child fail on that
+configuration's first case: ``abort`` (SIGABRT), ``hang`` or ``oom`` (an out-of-memory error).
+
+Cost (52 configurations, 53 cases): every case is a few MB of inputs and at most 2100 keys, so
+an MI355 spends its time compiling the two programs per case, estimated at one or two seconds
+a case (not measured on an MI355); a call verifies only the one to three configurations it
+launches. ``jax_sparse_mla.selfcheck()`` verifies them all and prints each case as it ends.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
-import hashlib
 import json
-import math
 import os
 import sys
-import threading
-import warnings
+import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TextIO
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sparse_mla import _platform, ffi
+from jax_sparse_mla import _platform, _verdicts
 from jax_sparse_mla.emulation import bounds as B
+from jax_sparse_mla.emulation.ultraquant import ultraquant_reduce_gfx950_emulation
+from jax_sparse_mla.ffi.calls import ultraquant_reduce_flydsl
 from jax_sparse_mla.formats import KV_DIM, UQ_HEAD_DIM, pack_fp8_ds_mla, ultraquant_store
+from jax_sparse_mla.kernels.gfx950 import configs
 from jax_sparse_mla.mla_decode import merge_attn_states, mla_decode_partials
 from jax_sparse_mla.sparse_mla import sparse_mla
 from jax_sparse_mla.ultraquant import ultraquant_decode
 
 EMULATION = "gfx950_emulation"
-CACHE_ENV = "JAX_SPARSE_MLA_SELFCHECK_CACHE"
+FAULT_ENV = "JAX_SPARSE_MLA_SELFCHECK_FAULT"
+
+Run = Callable[[str], tuple]  # implementation -> the op's outputs
+Compare = Callable[[tuple], tuple[float, "str | None"]]  # kernel outputs -> (ratio, error)
 
 
-class CaseResult(NamedTuple):
-    kernel: str
-    case: str
-    ratio: float  # worst |kernel - emulation| / bound over the outputs (nan: did not run)
-    error: str | None  # None when the case passed
+class Case(NamedTuple):
+    """One case of a configuration: ``setup()`` builds the inputs and returns ``(run,
+    compare)``; ``compare`` runs the emulation on the same inputs."""
+
+    symbol: str
+    name: str
+    setup: Callable[[], tuple[Run, Compare]]
 
 
-class FamilyResult(NamedTuple):
-    family: str
-    device: str
-    library: str  # sha256 of the FFI library ("none" without one)
-    cases: tuple[CaseResult, ...]
-
-    @property
-    def passed(self) -> bool:
-        return all(c.error is None for c in self.cases)
-
-
-Check = Callable[[str], tuple[float, "str | None"]]  # implementation -> (ratio, error)
+def check(case: Case, implementation: str) -> tuple[float, str | None]:
+    """(worst |kernel - emulation| / bound, error or None) of ``case`` run with
+    ``implementation``; an exception is the error."""
+    try:
+        _injected_fault(case.symbol)
+        run, compare = case.setup()
+        return compare(jax.block_until_ready(run(implementation)))
+    except Exception as e:  # a kernel that cannot run fails its case, with its error
+        return float("nan"), f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
 
 
 def _worst(*results: tuple[float, str | None]) -> tuple[float, str | None]:
-    ratio = max((r for r, _ in results), key=lambda r: -1 if math.isnan(r) else r)
+    ratio = max((r for r, _ in results), key=lambda r: -1 if np.isnan(r) else r)
     return ratio, next((e for _, e in results if e is not None), None)
-
-
-# ---------------------------------------------------------------------------------------------
-# Cases: small deterministic inputs, the op run with `impl` and with the emulation
-# ---------------------------------------------------------------------------------------------
 
 
 def _bf16(r, shape, scale=1.0) -> jax.Array:
     return jnp.asarray(r.standard_normal(shape) * scale, jnp.bfloat16)
 
 
-def _sparse(seed: int, heads: int, lengths: tuple[int, ...], impl: str):
-    """Rows of ``lengths`` random entries into 64 records, a third of them masked (-1 or past
-    the last record); row 1 all -1."""
-    r, rows = np.random.default_rng(seed), 64
+def _jit(fn, **static):
+    return jax.jit(functools.partial(fn, **static))
+
+
+# ---------------------------------------------------------------------------------------------
+# sparse_mla
+# ---------------------------------------------------------------------------------------------
+
+
+def _sparse(seed: int, heads: int, return_lse: bool):
+    """Rows of 0, 1, 300 and 2100 keys into 512 records and an all -1 row (module docstring)."""
+    r, rows, lengths = np.random.default_rng(seed), 512, (0, 1, 300, 2100, 40)
     latent = r.standard_normal((rows, 512)) * 2.0 ** r.integers(-3, 4, (rows, 1))
     kv = pack_fp8_ds_mla(
         jnp.asarray(latent, jnp.float32), jnp.asarray(r.standard_normal((rows, 64)), jnp.float32)
     )
-    idx = [r.integers(-rows // 4, rows + rows // 4, n) for n in lengths]
-    idx[1][:] = -1
-    idx = jnp.asarray(np.concatenate(idx), jnp.int32)
-    indptr = jnp.asarray(np.cumsum([0, *lengths]), jnp.int32)
+    idx = r.integers(-rows // 8, rows + rows // 8, sum(lengths))
+    idx[r.random(len(idx)) < 0.1] = -1
+    idx[-lengths[-1] :] = -1
+    idx, indptr = jnp.asarray(idx, jnp.int32), jnp.asarray(np.cumsum([0, *lengths]), jnp.int32)
     q = _bf16(r, (len(lengths), heads, KV_DIM))
     sm_scale = KV_DIM**-0.5
 
-    def run(implementation):
-        fn = functools.partial(sparse_mla, sm_scale=sm_scale, return_lse=True)
-        return jax.jit(functools.partial(fn, implementation=implementation))(q, kv, idx, indptr)
+    def run(implementation, lse=return_lse):
+        fn = _jit(sparse_mla, sm_scale=sm_scale, return_lse=lse, implementation=implementation)
+        res = fn(q, kv, idx, indptr)
+        return res if lse else (res,)
 
-    out_k, lse_k = run(impl)
-    out_e, lse_e = run(EMULATION)
-    tol, lse_tol = B.sparse_mla_bound(q, kv, idx, indptr, sm_scale, out_e, lse_e)
-    return _worst(B.compare("out", out_k, out_e, tol), B.compare("lse", lse_k, lse_e, lse_tol))
+    def compare(outputs):
+        out_e, lse_e = run(EMULATION, lse=True)
+        tol, lse_tol = B.sparse_mla_bound(q, kv, idx, indptr, sm_scale, out_e, lse_e)
+        out = B.compare("out", outputs[0], out_e, tol)
+        return _worst(out, B.compare("lse", outputs[1], lse_e, lse_tol)) if return_lse else out
+
+    return run, compare
 
 
-def _partials(seed: int, qlen: int, heads: int, seq_lens: tuple[int, ...], splits: int, impl):
-    """Requests of ``seq_lens`` keys over 512 tokens, 5% of the indices -1 and 3% past the
-    last token; causal over ``qlen`` positions; k_scale 0.5, v_scale 2."""
-    r, tokens = np.random.default_rng(seed), 512
-    kv = jnp.asarray(r.standard_normal((tokens, KV_DIM)) * 4, jnp.float8_e4m3fn).view(jnp.uint8)
-    idx = r.integers(0, tokens, sum(seq_lens))
+# ---------------------------------------------------------------------------------------------
+# mla_decode
+# ---------------------------------------------------------------------------------------------
+
+DECODE_TOKENS = 1024
+DECODE_SEQ_LENS = (0, 1000, 900, 37)  # empty, rising scores, falling scores, short
+DECODE_SPLITS = 2
+DECODE_HEADS = 20
+
+
+def decode_inputs(seed: int, qlen: int):
+    """(q, kv codes, kv_indices, kv_indptr): token t's K is ``ramp_t * base + noise`` with
+    ramp -1 -> 1 and q near ``base``, so scores run from about -12 to 12 along the tokens;
+    request 1 reads tokens ascending (rising maximum), request 2 descending (falling); 5% of
+    the indices -1 and 3% past the last token."""
+    r, tokens = np.random.default_rng(seed), DECODE_TOKENS
+    base = r.standard_normal(KV_DIM)
+    ramp = np.linspace(-1.0, 1.0, tokens)[:, None]
+    kv = ramp * base + 0.5 * r.standard_normal((tokens, KV_DIM))
+    kv = jnp.asarray(kv, jnp.float8_e4m3fn).view(jnp.uint8)
+    n = DECODE_SEQ_LENS
+    idx = np.concatenate(
+        [
+            np.sort(r.integers(0, tokens, n[1])),
+            np.sort(r.integers(0, tokens, n[2]))[::-1],
+            r.integers(0, tokens, n[3]),
+        ]
+    )
     idx[r.random(len(idx)) < 0.05] = -1
     idx[r.random(len(idx)) < 0.03] = tokens + 7
-    idx, indptr = jnp.asarray(idx, jnp.int32), jnp.asarray(np.cumsum([0, *seq_lens]), jnp.int32)
-    q = _bf16(r, (len(seq_lens) * qlen, heads, KV_DIM))
+    q = base + 0.5 * r.standard_normal((len(n) * qlen, DECODE_HEADS, KV_DIM))
+    indptr = jnp.asarray(np.cumsum([0, *n]), jnp.int32)
+    return jnp.asarray(q, jnp.bfloat16), kv, jnp.asarray(idx, jnp.int32), indptr
+
+
+def _partials(seed: int, qlen: int):
+    q, kv, idx, indptr = decode_inputs(seed, qlen)
     static = dict(qlen=qlen, k_scale=0.5, v_scale=2.0, sm_scale=KV_DIM**-0.5)
 
     def run(implementation):
-        fn = functools.partial(mla_decode_partials, **static, num_splits=splits)
-        return jax.jit(functools.partial(fn, implementation=implementation))(q, kv, idx, indptr)
+        fn = _jit(
+            mla_decode_partials, **static, num_splits=DECODE_SPLITS, implementation=implementation
+        )
+        return fn(q, kv, idx, indptr)
 
-    o_k, lse_k = run(impl)
-    o_e, lse_e = run(EMULATION)
-    tol, lse_tol = B.mla_decode_partials_bound(q, kv, idx, indptr, **static, o_e=o_e, lse_e=lse_e)
-    return _worst(B.compare("o", o_k, o_e, tol), B.compare("lse", lse_k, lse_e, lse_tol))
+    def compare(outputs):
+        o_e, lse_e = run(EMULATION)
+        tol, lse_tol = B.mla_decode_partials_bound(
+            q, kv, idx, indptr, **static, o_e=o_e, lse_e=lse_e
+        )
+        return _worst(
+            B.compare("o", outputs[0], o_e, tol), B.compare("lse", outputs[1], lse_e, lse_tol)
+        )
+
+    return run, compare
 
 
-def _combine(seed: int, n: int, splits: int, heads: int, impl: str):
+def _combine(seed: int, n: int, splits: int, heads: int):
     """Random bf16 partials; 30% of them -inf with NaN / inf garbage in o; row 0 all -inf."""
     r = np.random.default_rng(seed)
     o = np.asarray(_bf16(r, (n, splits, heads, 512), 3.0), np.float32)
@@ -144,267 +200,226 @@ def _combine(seed: int, n: int, splits: int, heads: int, impl: str):
     o, lse = jnp.asarray(o, jnp.bfloat16), jnp.asarray(lse)
 
     def run(implementation):
-        fn = functools.partial(merge_attn_states, return_lse=True, implementation=implementation)
-        return jax.jit(fn)(o, lse)
+        return _jit(merge_attn_states, return_lse=True, implementation=implementation)(o, lse)
 
-    out_k, lse_k = run(impl)
-    out_e, lse_e = run(EMULATION)
-    tol, lse_tol = B.merge_bound(o, lse, out_e, lse_e)
-    return _worst(B.compare("out", out_k, out_e, tol), B.compare("lse", lse_k, lse_e, lse_tol))
+    def compare(outputs):
+        out_e, lse_e = run(EMULATION)
+        tol, lse_tol = B.merge_bound(o, lse, out_e, lse_e)
+        return _worst(
+            B.compare("out", outputs[0], out_e, tol), B.compare("lse", outputs[1], lse_e, lse_tol)
+        )
+
+    return run, compare
 
 
-def _ultraquant(seed, g, hk, block_size, seq_lens, partitions, impl):
-    """Requests of ``seq_lens`` tokens, 4 blocks each from a shuffled table with one entry -1
-    and one past the last block; every slot written by ``ultraquant_store``."""
-    r, batch, max_blocks = np.random.default_rng(seed), len(seq_lens), 4
+# ---------------------------------------------------------------------------------------------
+# ultraquant_decode
+# ---------------------------------------------------------------------------------------------
+
+UQ_PARTITIONS = 3
+
+
+def uq_shape(block_size: int) -> tuple[int, tuple[int, ...]]:
+    """(blocks per request, seq_lens): 512 token slots a request (at least 2 blocks), requests
+    of 0, 507 and 391 tokens, so that each of 3 partitions of 128-token groups has work."""
+    return max(2, 512 // block_size), (0, 507, 391)
+
+
+def _ultraquant(seed: int, g: int, block_size: int):
+    """Requests of ``uq_shape`` tokens over a shuffled block table with one entry -1 and one
+    past the last block; every slot written by ``ultraquant_store``; 2 KV heads at G 8."""
+    r, hk = np.random.default_rng(seed), 2 if g == 8 else 1
+    max_blocks, seq_lens = uq_shape(block_size)
+    batch = len(seq_lens)
     nb = batch * max_blocks + 2
     tokens = nb * block_size
     k, v = (jnp.asarray(r.standard_normal((tokens, hk, UQ_HEAD_DIM)), jnp.float32) for _ in "kv")
     cache = jnp.zeros((nb, block_size, hk, 272), jnp.uint8)
     cache = ultraquant_store(cache, k, v, jnp.arange(tokens, dtype=jnp.int32))
     tables = r.permutation(nb)[: batch * max_blocks].reshape(batch, max_blocks)
-    tables[0, 1], tables[-1, 2] = -1, nb + 3
+    tables[1, 1], tables[2, 0] = -1, nb + 3
     tables, lens = jnp.asarray(tables, jnp.int32), jnp.asarray(seq_lens, jnp.int32)
     q = _bf16(r, (batch, hk * g, UQ_HEAD_DIM), 2.0)
-    sm_scale = 1.0 / 16
+    static = dict(sm_scale=1.0 / 16, num_partitions=UQ_PARTITIONS)
 
-    def run(implementation, cache):
-        fn = functools.partial(
-            ultraquant_decode,
-            sm_scale=sm_scale,
-            num_partitions=partitions,
-            implementation=implementation,
+    def run(implementation, cache=cache):
+        return (
+            _jit(ultraquant_decode, **static, implementation=implementation)(
+                q, cache, tables, lens
+            ),
         )
-        return jax.jit(fn)(q, cache, tables, lens)
 
-    out_k, out_e = run(impl, cache), run(EMULATION, cache)
-    a_e = run(EMULATION, jnp.asarray(B.abs_v_cache(cache)))
-    tol = B.ultraquant_bound(
-        q, cache, tables, lens, sm_scale=sm_scale, num_partitions=partitions, out_e=out_e, a_e=a_e
-    )
-    return B.compare("out", out_k, out_e, tol)
+    def compare(outputs):
+        (out_e,), (a_e,) = run(EMULATION), run(EMULATION, jnp.asarray(B.abs_v_cache(cache)))
+        tol = B.ultraquant_bound(q, cache, tables, lens, **static, out_e=out_e, a_e=a_e)
+        return B.compare("out", outputs[0], out_e, tol)
 
-
-class Family(NamedTuple):
-    targets: tuple[str, ...]  # custom call targets whose kernels the family runs
-    cases: tuple[tuple[str, str, Check], ...]  # (kernel, case, check)
+    return run, compare
 
 
-P = functools.partial
-FAMILIES = {
-    "sparse_mla": Family(
-        ("jsm_sparse_mla",),
-        (
-            ("sparse_mla", "H16, masked entries, an empty row, 2 tiles",
-             P(_sparse, 1, 16, (0, 9, 200, 40))),
-            ("sparse_mla", "H20 (two head groups)", P(_sparse, 2, 20, (33, 5, 130))),
-        ),
-    ),
-    "mla_decode": Family(
-        ("jsm_mla_decode_partials", "jsm_mla_decode_combine"),
-        (
-            ("mla_decode_partials", "qlen 1, 3 splits, masked indices, an empty request",
-             P(_partials, 3, 1, 16, (0, 37, 300), 3)),
-            ("mla_decode_partials", "qlen 2, 2 splits, H20, causal",
-             P(_partials, 4, 2, 20, (5, 200), 2)),
-            ("mla_decode_combine", "5 partials, -inf ones over NaN", P(_combine, 5, 4, 5, 8)),
-        ),
-    ),
-    "ultraquant": Family(
-        ("jsm_ultraquant_partials", "jsm_ultraquant_reduce"),
-        (
-            ("ultraquant_decode", "G6, block 16, 2 partitions, an empty request, masked blocks",
-             P(_ultraquant, 6, 6, 1, 16, (0, 50, 21), 2)),
-            ("ultraquant_decode", "G8, block 32, 1 partition, 2 KV heads",
-             P(_ultraquant, 7, 8, 2, 32, (100, 3), 1)),
-            ("ultraquant_decode", "G16, block 64, 3 partitions",
-             P(_ultraquant, 8, 16, 1, 64, (256, 130), 3)),
-        ),
-    ),
-}  # fmt: skip
+def _reduce_emulation(o, max_logits, exp_sums):
+    """The reduce's emulation on the kernel's layout: [B, Hk, P, G, 256] -> [B, Hk * G, 256]."""
+    b, hk, p, g, d = o.shape
+
+    def merged(x):
+        return jnp.moveaxis(x, 2, 1).reshape(b, p, hk * g, *x.shape[4:])
+
+    return ultraquant_reduce_gfx950_emulation(merged(o), merged(max_logits), merged(exp_sums))
 
 
-def run_family(family: str, implementation: str = "flydsl", device: str = "") -> FamilyResult:
-    """Runs ``family``'s cases with ``implementation`` against the emulation (eagerly)."""
-    results = []
-    for kernel, case, check in FAMILIES[family].cases:
-        try:
-            ratio, error = check(implementation)
-        except Exception as e:  # a kernel that cannot run fails its case, with its error
-            ratio, error = float("nan"), f"{type(e).__name__}: {str(e).strip()[:400]}"
-        results.append(CaseResult(kernel, case, ratio, error))
-    return FamilyResult(family, device, library_hash(), tuple(results))
+REDUCES = {"flydsl": ultraquant_reduce_flydsl, EMULATION: _reduce_emulation}
+
+
+def _reduce(seed: int, batch: int, hk: int, parts: int, g: int):
+    """Random partials; 30% of partitions without keys (max -inf, sum 0); request 0 none."""
+    r = np.random.default_rng(seed)
+    o = _bf16(r, (batch, hk, parts, g, UQ_HEAD_DIM), 2.0)
+    m = (r.standard_normal((batch, hk, parts, g)) * 10).astype(np.float32)
+    e = r.uniform(0.5, 50.0, m.shape).astype(np.float32)
+    empty = r.random(m.shape) < 0.3
+    empty[0] = True
+    m[empty], e[empty] = -np.inf, 0.0
+    m, e = jnp.asarray(m), jnp.asarray(e)
+
+    def run(implementation):
+        return (jax.jit(REDUCES[implementation])(o, m, e),)
+
+    def compare(outputs):
+        (out_e,) = run(EMULATION)
+
+        # The combine's bound (same arithmetic: weights exp(m_p - M) s_p, an f32 sum, one bf16
+        # rounding), on the partials as [B, P, Hq, 256] with lse = m + log(s).
+        def merged(x):
+            return np.moveaxis(np.asarray(x, np.float32), 2, 1).reshape(batch, parts, hk * g, -1)
+
+        with np.errstate(divide="ignore"):
+            lse = np.where(empty, -np.inf, np.asarray(m) + np.log(np.asarray(e)))
+        tol, _ = B.merge_bound(merged(o), merged(lse[..., None])[..., 0], out_e, np.zeros(1))
+        return B.compare("out", outputs[0], out_e, tol)
+
+    return run, compare
 
 
 # ---------------------------------------------------------------------------------------------
-# Verdicts: in this process and on disk
+# The plan: every configuration's cases
 # ---------------------------------------------------------------------------------------------
 
 
-def library_hash() -> str:
-    """sha256 of the FFI library file this process loads, "none" without one."""
-    path = ffi.library_path()
-    if path is None or not path.exists():
-        return "none"
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def _plan() -> dict[str, tuple[Case, ...]]:
+    P = functools.partial
+    plan: dict[str, list[Case]] = {}
+
+    def add(symbol, name, setup):
+        plan.setdefault(symbol, []).append(Case(symbol, name, setup))
+
+    for h in configs.SPARSE_MLA_HEADS:
+        for lse in configs.SPARSE_MLA_RETURN_LSE:
+            (symbol,) = configs.sparse_mla_launches(h, lse)
+            add(symbol, f"H{h}, rows of 0/1/300/2100 keys, masked", P(_sparse, 100 + h, h, lse))
+    for qlen in configs.MLA_DECODE_QLENS:
+        add(
+            configs.mla_decode_partials_launch(qlen),
+            f"qlen {qlen}, H20, 2 splits of 4 blocks, rising and falling scores, an empty request",
+            P(_partials, 200 + qlen, qlen),
+        )
+    add(configs.MLA_DECODE_COMBINE, "4 partials, -inf ones over NaN", P(_combine, 5, 5, 4, 8))
+    add(configs.MLA_DECODE_COMBINE, "1 split", P(_combine, 6, 3, 1, 16))
+    for g in configs.ULTRAQUANT_GROUP_SIZES:
+        for bs in configs.ULTRAQUANT_BLOCK_SIZES:
+            symbol, _ = configs.ultraquant_launches(g, bs)
+            name = f"G{g}, block {bs}, {UQ_PARTITIONS} partitions, masked blocks"
+            add(symbol, name, P(_ultraquant, 300 + g + bs, g, bs))
+    add(configs.ULTRAQUANT_REDUCE, "3 partitions, empty ones", P(_reduce, 7, 3, 2, 3, 8))
+    return {symbol: tuple(cases) for symbol, cases in plan.items()}
 
 
-@functools.cache
-def _sources_hash() -> str:
-    """Of this module and the emulation: a change to the cases or bounds is a new check."""
-    here = Path(__file__).resolve().parent
-    h = hashlib.sha256()
-    for path in [Path(__file__).resolve(), *sorted((here / "emulation").glob("*.py"))]:
-        h.update(path.read_bytes())
-    return h.hexdigest()
+PLAN = _plan()
 
 
-def cache_dir() -> Path | None:
-    """Where verdicts are kept (module docstring); None: in memory only."""
-    env = os.environ.get(CACHE_ENV)
-    if env is not None:
-        return None if env.strip().lower() in ("", "off") else Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jax_sparse_mla"
+def run_plan(symbols, implementation: str, emit: Callable[[dict], None]) -> None:
+    """Runs the cases of ``symbols`` with ``implementation``, emitting ``start`` and ``done``
+    per case and ``finished`` per configuration (its cases stop at the first failure)."""
+    for symbol in symbols:
+        for case in PLAN.get(symbol, ()):
+            emit({"event": "start", "symbol": symbol, "case": case.name})
+            ratio, error = check(case, implementation)
+            emit(
+                {
+                    "event": "done",
+                    "symbol": symbol,
+                    "case": case.name,
+                    "ratio": ratio,
+                    "error": error,
+                }
+            )
+            if error is not None:
+                break
+        else:
+            if symbol not in PLAN:
+                error = f"no self-check case launches {symbol}"
+                emit(
+                    {
+                        "event": "done",
+                        "symbol": symbol,
+                        "case": "-",
+                        "ratio": np.nan,
+                        "error": error,
+                    }
+                )
+        emit({"event": "finished", "symbol": symbol})
 
 
-def cache_path(family: str, device: str, library: str) -> Path | None:
-    where = cache_dir()
-    if where is None:
-        return None
-    key = hashlib.sha256(f"{device}|{library}|{_sources_hash()}".encode()).hexdigest()[:24]
-    return where / f"selfcheck-{family}-{key}.json"
-
-
-def _key(result: FamilyResult) -> dict:
-    return {
-        "family": result.family,
-        "device": result.device,
-        "library_sha256": result.library,
-        "check_sha256": _sources_hash(),
-    }
-
-
-def write_verdict(result: FamilyResult) -> None:
-    path = cache_path(result.family, result.device, result.library)
-    if path is None:
+def _injected_fault(symbol: str) -> None:
+    """``$JAX_SPARSE_MLA_SELFCHECK_FAULT`` (tests only, module docstring)."""
+    kind, _, target = os.environ.get(FAULT_ENV, "").partition(":")
+    if not kind or target != symbol:
         return
-    record = {**_key(result), "cases": [c._asdict() for c in result.cases]}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        partial.write_text(json.dumps(record, indent=1))
-        os.replace(partial, path)
-    except OSError as e:
-        warnings.warn(
-            f"jax_sparse_mla: cannot keep the self-check verdict in {path}: {e}", stacklevel=2
-        )
-
-
-def read_verdict(family: str, device: str, library: str) -> FamilyResult | None:
-    path = cache_path(family, device, library)
-    try:
-        record = json.loads(path.read_text()) if path is not None else None
-    except (OSError, ValueError):
-        return None
-    result = FamilyResult(family, device, library, ())
-    if record is None or {k: record.get(k) for k in _key(result)} != _key(result):
-        return None
-    return result._replace(cases=tuple(CaseResult(**c) for c in record["cases"]))
-
-
-def _missing_kernels(family: str, device: str) -> FamilyResult | None:
-    """A failed result when the FFI library lacks one of ``family``'s kernels."""
-    missing = ffi.missing_kernels(FAMILIES[family].targets)
-    if not missing:
-        return None
-    error = (
-        f"the FFI library has no {missing[0]} kernel ({len(ffi.library_kernels())} kernels "
-        f"linked); build the kernels and relink: {ffi.BUILD_COMMAND}"
-    )
-    return FamilyResult(
-        family, device, library_hash(), (CaseResult(missing[0], "-", math.nan, error),)
-    )
-
-
-def verdict(family: str, device: str) -> FamilyResult:
-    """``family``'s result on ``device`` (a device name): missing kernels, else the disk
-    cache, else the check itself, run now (eagerly, also inside a trace) and kept."""
-    if (missing := _missing_kernels(family, device)) is not None:
-        return missing
-    if (kept := read_verdict(family, device, library_hash())) is not None:
-        return kept
-    with jax.ensure_compile_time_eval():
-        result = run_family(family, "flydsl", device)
-    write_verdict(result)
-    return result
-
-
-def failure_message(result: FamilyResult) -> str:
-    bad = next(c for c in result.cases if c.error is not None)
-    return (
-        f"jax_sparse_mla: the gfx950 kernel {bad.kernel} failed its self-check on "
-        f"{result.device} (case '{bad.case}': {bad.error}); implementation=None runs 'xla' for "
-        f"{result.family} (jax_sparse_mla.selfcheck() prints every case)"
-    )
-
-
-_VERDICTS: dict[str, bool] = {}
-_LOCK = threading.Lock()
-
-
-def kernels_verified(family: str) -> bool:
-    """Whether ``implementation=None`` may run ``family``'s kernels here: True without ROCm
-    devices (lowering for another host), else the family's verdict on this GPU, decided once
-    per process (a failure warns once)."""
-    devices = _platform.rocm_devices()
-    if not devices:
-        return True
-    with _LOCK:
-        if family not in _VERDICTS:
-            result = verdict(family, devices[0].device_kind)
-            _VERDICTS[family] = result.passed
-            if not result.passed:
-                warnings.warn(failure_message(result), stacklevel=4)
-        return _VERDICTS[family]
+    if kind == "abort":
+        os.abort()
+    if kind == "hang":
+        time.sleep(3600)
+    if kind == "oom":
+        raise RuntimeError(f"RESOURCE_EXHAUSTED: Out of memory allocating 4.00GiB ({FAULT_ENV})")
 
 
 # ---------------------------------------------------------------------------------------------
-# selfcheck(): every family, a table
+# selfcheck(): every configuration, a line per case
 # ---------------------------------------------------------------------------------------------
 
 
-def format_table(results: dict[str, FamilyResult], implementation: str) -> str:
-    rows = [("kernel", "case", "worst err/bound", "verdict")]
-    for result in results.values():
-        for c in result.cases:
-            verdict_text = "pass" if c.error is None else f"FAIL: {c.error}"
-            rows.append((c.kernel, c.case, f"{c.ratio:.3g}", verdict_text))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = ["  ".join([*(r[i].ljust(widths[i]) for i in range(3)), r[3]]) for r in rows]
-    device = next(iter(results.values())).device if results else "?"
-    passed = sum(r.passed for r in results.values())
-    return "\n".join(
-        [
-            f"jax_sparse_mla self-check: {implementation} vs {EMULATION} on {device}",
-            *lines,
-            f"{passed} of {len(results)} kernel families passed",
-        ]
-    )
+def _progress(out: TextIO) -> Callable[[dict], None]:
+    def show(event: dict) -> None:
+        if event["event"] == "done":
+            verdict = "pass" if event["error"] is None else f"FAIL: {event['error']}"
+            print(
+                f"{event['symbol']:34} {event['case']:78} {event['ratio']:9.3g}  {verdict}",
+                file=out,
+                flush=True,
+            )
+
+    return show
 
 
-def selfcheck(implementation: str = "flydsl", *, file=None) -> dict[str, FamilyResult]:
-    """Runs every kernel family's self-check cases and prints a table (kernel, case, worst
-    |kernel - emulation| / bound, verdict) to ``file`` (default stdout).
+def selfcheck(
+    implementation: str = "flydsl", *, symbols=None, file: TextIO | None = None
+) -> dict[str, _verdicts.Verdict]:
+    """Runs the self-check cases of every kernel configuration (or of ``symbols``), printing a
+    line per case as it ends (configuration, case, worst |kernel - emulation| / bound,
+    verdict) to ``file`` (default stdout), then a summary.
 
     ``implementation="flydsl"`` (the default) needs a gfx950 (MI355) ROCm device; without one
-    it prints what jax sees, runs nothing and returns {}. Its verdicts refresh the disk cache
-    that ``implementation=None`` reads. Another implementation (e.g. "gfx950_emulation") runs
-    the same cases and bounds on any device, as a check of the check.
+    it prints what jax sees, runs nothing and returns {}. It runs the cases in child processes
+    (a kernel that crashes or hangs is a failed verdict, not a crash here) and refreshes the
+    verdicts that ``implementation=None`` reads. Another implementation (e.g.
+    "gfx950_emulation") runs the same cases and bounds in this process, on any device, as a
+    check of the check.
 
     Returns:
-      {family: FamilyResult} (``.passed``, ``.cases``: kernel, case, ratio, error).
+      {configuration symbol: Verdict} (``.status`` "pass" / "fail" / "retry", ``.case``,
+      ``.ratio``, ``.error``).
     """
     out = sys.stdout if file is None else file
+    symbols = tuple(configs.user_symbols() if symbols is None else symbols)
     if implementation == "flydsl":
         gfx950 = _platform.gfx950_devices()
         if not gfx950:
@@ -418,13 +433,46 @@ def selfcheck(implementation: str = "flydsl", *, file=None) -> dict[str, FamilyR
         device = gfx950[0].device_kind
     else:
         device = jax.devices()[0].device_kind
-    results = {}
-    for family in FAMILIES:
-        result = _missing_kernels(family, device) if implementation == "flydsl" else None
-        if result is None:
-            result = run_family(family, implementation, device)
-            if implementation == "flydsl":
-                write_verdict(result)
-        results[family] = result
-    print(format_table(results, implementation), file=out)
-    return results
+    print(
+        f"jax_sparse_mla self-check: {implementation} vs {EMULATION} on {device}, "
+        f"{len(symbols)} configurations, {sum(len(PLAN.get(s, ())) for s in symbols)} cases",
+        file=out,
+        flush=True,
+    )
+    show = _progress(out)
+    if implementation == "flydsl":
+        verdicts = _verdicts.verify(symbols, device, "flydsl", on_event=show, refresh=True)
+    else:
+        events: list[dict] = []
+        run_plan(symbols, implementation, lambda e: (events.append(e), show(e)))
+        verdicts = _verdicts.settle(_verdicts.ChildRun(events, 0, ""), list(symbols), {})
+    for v in verdicts.values():
+        if v.status != "pass":
+            print(f"{v.symbol}: {v.status} (case '{v.case}'): {v.error}", file=out)
+    passed = sum(v.status == "pass" for v in verdicts.values())
+    print(f"{passed} of {len(symbols)} kernel configurations passed", file=out, flush=True)
+    return verdicts
+
+
+def _child(argv: list[str]) -> None:
+    """``python -m jax_sparse_mla.self_check --child --device NAME --implementation IMPL
+    SYMBOL...``: the cases of each SYMBOL, one JSON event per line on stdout."""
+    parser = argparse.ArgumentParser(prog="python -m jax_sparse_mla.self_check")
+    parser.add_argument("--child", action="store_true", required=True)
+    parser.add_argument("--device", required=True)
+    parser.add_argument("--implementation", default="flydsl")
+    parser.add_argument("symbols", nargs="+")
+    args = parser.parse_args(argv)
+
+    def emit(event: dict) -> None:
+        print(json.dumps({**event, "device": args.device}), flush=True)
+
+    run_plan(args.symbols, args.implementation, emit)
+
+
+if __name__ == "__main__":
+    if "--child" in sys.argv[1:]:
+        _child(sys.argv[1:])
+    else:
+        results = selfcheck()
+        sys.exit(0 if all(v.status == "pass" for v in results.values()) else 1)

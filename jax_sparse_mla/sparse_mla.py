@@ -19,7 +19,11 @@ from jax_sparse_mla._checks import (
 from jax_sparse_mla._dispatch import resolve_implementation, with_exact_gradient
 from jax_sparse_mla._platform import by_platform, gfx950_or, hopper_or
 from jax_sparse_mla.emulation.sparse_mla import sparse_mla_gfx950_emulation
-from jax_sparse_mla.ffi.calls import sparse_mla_flydsl, sparse_mla_unsupported
+from jax_sparse_mla.ffi.calls import (
+    sparse_mla_configurations,
+    sparse_mla_flydsl,
+    sparse_mla_unsupported,
+)
 from jax_sparse_mla.formats import KV_DIM, MAX_KERNEL_SCALE, RECORD_BYTES, SCALES_OFFSET
 from jax_sparse_mla.kernels.mosaic.sparse_mla import sparse_mla_mosaic, sparse_mla_mosaic_cuda
 from jax_sparse_mla.kernels.pallas.sparse_mla import sparse_mla_kernel, sparse_mla_pallas
@@ -59,7 +63,9 @@ _IMPLEMENTATIONS = {
                 cuda=hopper_or(
                     _lse_if(sparse_mla_kernel), _XLA, mosaic_fn=_lse_if(sparse_mla_mosaic)
                 ),
-                rocm=gfx950_or("sparse_mla", sparse_mla_flydsl, _XLA, sparse_mla_unsupported),
+                rocm=gfx950_or(
+                    sparse_mla_flydsl, _XLA, sparse_mla_unsupported, sparse_mla_configurations
+                ),
             ),
         }.items()
     },

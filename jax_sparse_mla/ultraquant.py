@@ -17,7 +17,11 @@ from jax_sparse_mla._checks import (
 from jax_sparse_mla._dispatch import resolve_implementation, with_exact_gradient
 from jax_sparse_mla._platform import by_platform, gfx950_or, hopper_or
 from jax_sparse_mla.emulation.ultraquant import ultraquant_decode_gfx950_emulation
-from jax_sparse_mla.ffi.calls import ultraquant_decode_flydsl, ultraquant_unsupported
+from jax_sparse_mla.ffi.calls import (
+    ultraquant_configurations,
+    ultraquant_decode_flydsl,
+    ultraquant_unsupported,
+)
 from jax_sparse_mla.formats import UQ_HEAD_DIM, check_ultraquant_cache
 from jax_sparse_mla.kernels.mosaic.ultraquant import mosaic_or, ultraquant_decode_mosaic_cuda
 from jax_sparse_mla.kernels.pallas.ultraquant import (
@@ -51,10 +55,10 @@ _IMPLEMENTATIONS = {
                     mosaic_or(ultraquant_decode_kernel),
                 ),
                 rocm=gfx950_or(
-                    "ultraquant",
                     ultraquant_decode_flydsl,
                     ultraquant_decode_xla,
                     ultraquant_unsupported,
+                    ultraquant_configurations,
                 ),
             ),
         }.items()

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
-from jax_sparse_mla import _platform, ffi, self_check
+from jax_sparse_mla import _platform, _verdicts, ffi
 from jax_sparse_mla._build import build_lib
 
 CALL = re.compile(r"stablehlo\.custom_call @(\w+)\((.*?)\) \{(.*)\} : \((.*?)\) -> \(?(.*?)\)?$")
@@ -325,7 +325,7 @@ def test_gfx950_device_picks_the_kernels(rocm_devices, monkeypatch):
     if ffi.rocm_library() is None:
         pytest.skip("the FFI library is not built")
     rocm_devices(FakeDevice("AMD Instinct MI355X", "gfx950"))
-    monkeypatch.setattr(self_check, "kernels_verified", lambda family: True)  # test_selfcheck.py
+    monkeypatch.setattr(_verdicts, "trusted", lambda symbols, device: True)  # test_selfcheck.py
     assert jsm_targets(jsm.sparse_mla, *sparse_args(), platform="rocm") == ["jsm_sparse_mla"]
 
 

@@ -1,17 +1,18 @@
-"""The self-check that gates ``implementation=None`` on an MI355 (``jax_sparse_mla.self_check``),
-on the CPU.
+"""The self-check that gates ``implementation=None`` on an MI355 (``jax_sparse_mla.self_check``
+and ``_verdicts``), on the CPU.
 
-No gfx950 device here: its cases and bounds run with "gfx950_emulation" (or a perturbed copy of
-it) standing in for "flydsl", and the choice at trace time runs with a faked MI355 (as
-test_ffi_lowering.py does), the op tables' "flydsl" entry pointing at that stand-in. Lowering
-for ROCm then shows which implementation was chosen.
+No gfx950 device here: the cases and bounds run with "gfx950_emulation" (or a perturbed copy
+of it) standing in for "flydsl"; the choice at trace time runs with a faked MI355 (as
+test_ffi_lowering.py does), its child processes running the cases with the emulation. Faults
+in the child (abort, hang, out of memory) are injected through ``self_check.FAULT_ENV``.
+Which kernel code objects the plan launches is measured with the recording HIP in
+``test_selfcheck_plan.py``.
 """
 
 from __future__ import annotations
 
-import ctypes
-import importlib
-import json
+import ast
+import functools
 import subprocess
 import sys
 import warnings
@@ -19,18 +20,29 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
-from jax_sparse_mla import _platform, ffi, self_check
-from jax_sparse_mla._build import build_lib
+from jax_sparse_mla import _platform, _verdicts, ffi, self_check
+from jax_sparse_mla.kernels.gfx950 import configs
 from tests.impls import has_gfx950
 from tests.test_ffi_lowering import FakeDevice, jsm_targets, sparse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 MI355 = FakeDevice("AMD Instinct MI355X", "gfx950")
-OPS = {f: importlib.import_module(f"jax_sparse_mla.{f}") for f in ("sparse_mla", "mla_decode")}
-OPS["ultraquant"] = importlib.import_module("jax_sparse_mla.ultraquant")
+OPS = {f: sys.modules[f"jax_sparse_mla.{f}"] for f in ("sparse_mla", "mla_decode", "ultraquant")}
+# One configuration of each kind (CPU time): their cases run with the emulation here.
+SAMPLE = (
+    "jsm_sparse_mla_h16_l1",
+    "jsm_sparse_mla_h3_l0",
+    "jsm_mla_decode_partials_q1",
+    "jsm_mla_decode_partials_q2",
+    "jsm_mla_decode_partials_q4",
+    "jsm_mla_decode_combine",
+    "jsm_ultraquant_decode_g6_bs64",
+    "jsm_ultraquant_reduce",
+)
 
 
 def one_ulp_up(x):
@@ -44,73 +56,45 @@ def reversed_dims(x):
     return x[..., ::-1]
 
 
-def stand_in(monkeypatch, family, perturb=None):
-    """The op table's "flydsl" entry of ``family`` -> the emulation, its first output (out /
-    o_parts) passed through ``perturb``."""
+def perturbed(fn, perturb):
+    def run(*args, **kw):
+        res = fn(*args, **kw)
+        return (perturb(res[0]), *res[1:]) if isinstance(res, tuple) else perturb(res)
+
+    return run
+
+
+def stand_in(monkeypatch, symbol, perturb=None):
+    """The "flydsl" entry that ``symbol``'s cases run -> the emulation, its first output
+    passed through ``perturb``."""
+    if symbol == configs.ULTRAQUANT_REDUCE:
+        fn = self_check.REDUCES[self_check.EMULATION]
+        fn = fn if perturb is None else perturbed(fn, perturb)
+        monkeypatch.setitem(self_check.REDUCES, "flydsl", fn)
+        return
+    family = next((f for f in ("sparse_mla", "mla_decode") if f in symbol), "ultraquant")
     table = OPS[family]._IMPLEMENTATIONS
     emu = table["gfx950_emulation"]
-
-    def wrap(fn):
-        if perturb is None:
-            return fn
-
-        def run(*args, **kw):
-            res = fn(*args, **kw)
-            return (perturb(res[0]), *res[1:]) if isinstance(res, tuple) else perturb(res)
-
-        return run
-
+    wrap = (lambda f: f) if perturb is None else (lambda f: perturbed(f, perturb))
     if family == "mla_decode":
-        kernels = emu._replace(partials=wrap(emu.partials), decode=wrap(emu.decode))
+        kernels = emu._replace(
+            partials=wrap(emu.partials), combine=wrap(emu.combine), decode=wrap(emu.decode)
+        )
     else:
         kernels = wrap(emu)
     monkeypatch.setitem(table, "flydsl", kernels)
 
 
-@pytest.fixture
-def mi355(monkeypatch, tmp_path):
-    """This process sees one (fake) MI355 with the FFI library and all its kernels; verdicts
-    kept under tmp_path, none decided yet. Each family keeps its first case (CPU time)."""
-    monkeypatch.setattr(_platform, "rocm_devices", lambda: [MI355])
-    monkeypatch.setattr(_platform, "flydsl_available", lambda: True)
-    monkeypatch.setattr(ffi, "rocm_library", lambda: "the FFI library")
-    monkeypatch.setattr(
-        ffi,
-        "library_kernels",
-        lambda: frozenset(
-            [
-                "jsm_sparse_mla_h16_l1",
-                "jsm_mla_decode_partials_q1",
-                "jsm_mla_decode_combine",
-                "jsm_ultraquant_decode_g8_bs16",
-                "jsm_ultraquant_reduce",
-            ]
-        ),
-    )
-    monkeypatch.setenv(self_check.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(self_check, "_VERDICTS", {})
-    for name, family in self_check.FAMILIES.items():
-        monkeypatch.setitem(self_check.FAMILIES, name, family._replace(cases=family.cases[:1]))
-    return tmp_path
-
-
-def lower_once(expect_warning: str | None):
-    """jsm targets of sparse_mla lowered for ROCm inside jax.jit; asserts the warnings."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        targets = jsm_targets(jsm.sparse_mla, *sparse_args(), platform="rocm")
-    messages = [str(w.message) for w in caught]
-    if expect_warning is None:
-        assert messages == []
-    else:
-        assert len(messages) == 1, messages
-        assert expect_warning in messages[0], messages[0]
-    return targets, messages
-
-
 # ---------------------------------------------------------------------------------------------
-# The cases and bounds, with the emulation standing in for the kernels
+# The plan, its cases and bounds (the emulation standing in for the kernels)
 # ---------------------------------------------------------------------------------------------
+
+
+def test_plan_has_cases_for_every_configuration_the_ops_launch():
+    assert tuple(self_check.PLAN) == configs.user_symbols()
+    assert len(self_check.PLAN) == 52
+    for symbol, cases in self_check.PLAN.items():
+        assert cases and all(c.symbol == symbol for c in cases)
 
 
 def test_selfcheck_without_gfx950_says_so_and_runs_nothing(capsys):
@@ -123,37 +107,35 @@ def test_selfcheck_without_gfx950_says_so_and_runs_nothing(capsys):
     assert "pip install '.[rocm]'" in out
 
 
-def test_emulation_in_place_of_the_kernels_passes_and_prints_the_table(capsys):
-    results = jsm.selfcheck("gfx950_emulation")
+def test_emulation_in_place_of_the_kernels_passes_and_prints_each_case(capsys):
+    verdicts = jsm.selfcheck("gfx950_emulation", symbols=SAMPLE)
     lines = capsys.readouterr().out.splitlines()
-    header = "jax_sparse_mla self-check: gfx950_emulation vs gfx950_emulation on "
-    assert lines[0] == header + jax.devices()[0].device_kind
-    assert lines[1].split() == ["kernel", "case", "worst", "err/bound", "verdict"]
-    assert lines[-1] == "3 of 3 kernel families passed"
-    assert sorted(results) == ["mla_decode", "sparse_mla", "ultraquant"]
-    rows = [c for r in results.values() for c in r.cases]
-    assert len(lines) == len(rows) + 3
-    for line, c in zip(lines[2:-1], rows, strict=True):
-        assert c.error is None and c.ratio == 0
-        assert line.startswith(c.kernel) and c.case in line and line.endswith("pass")
-    cases = " ".join(c.case for c in rows)
-    for feature in ("masked", "empty row", "empty request", "qlen 2", "G6", "G8", "G16"):
-        assert feature in cases
+    cases = [c for s in SAMPLE for c in self_check.PLAN[s]]
+    assert lines[0] == (
+        f"jax_sparse_mla self-check: gfx950_emulation vs gfx950_emulation on "
+        f"{jax.devices()[0].device_kind}, {len(SAMPLE)} configurations, {len(cases)} cases"
+    )
+    assert lines[-1] == f"{len(SAMPLE)} of {len(SAMPLE)} kernel configurations passed"
+    assert len(lines) == len(cases) + 2
+    for line, case in zip(lines[1:-1], cases, strict=True):
+        assert line.split()[0] == case.symbol and case.name in line
+        assert line.split()[-2:] == ["0", "pass"]
+    assert list(verdicts) == list(SAMPLE)
+    assert all(v.status == "pass" and v.ratio == 0 and v.error is None for v in verdicts.values())
 
 
-@pytest.mark.parametrize("family", sorted(self_check.FAMILIES))
-def test_a_wrong_layout_fails(monkeypatch, family):
-    stand_in(monkeypatch, family, reversed_dims)
-    kernel, case, check = self_check.FAMILIES[family].cases[0]
-    ratio, error = check("flydsl")
+@pytest.mark.parametrize("symbol", SAMPLE)
+def test_a_wrong_layout_fails(monkeypatch, symbol):
+    stand_in(monkeypatch, symbol, reversed_dims)
+    ratio, error = self_check.check(self_check.PLAN[symbol][0], "flydsl")
     assert ratio > 1 and error is not None
     assert error.startswith(("out[", "o[")) and "elements out of bound" in error
 
 
 def test_one_ulp_off_passes(monkeypatch):
     """The bound is not zero: every output one bf16 ulp away is within it."""
-    stand_in(monkeypatch, "sparse_mla", one_ulp_up)
-    ratio, error = self_check.FAMILIES["sparse_mla"].cases[0][2]("flydsl")
+    stand_in(monkeypatch, "jsm_sparse_mla_h16_l1", one_ulp_up)
+    ratio, error = self_check.check(self_check.PLAN["jsm_sparse_mla_h16_l1"][0], "flydsl")
     assert error is None and 0 < ratio <= 1
 
 
@@ -162,87 +144,189 @@ def test_a_case_that_raises_fails_with_the_error(monkeypatch):
         raise RuntimeError("UNIMPLEMENTED: kernel jsm_sparse_mla_h16_l1 is not here")
 
     monkeypatch.setitem(OPS["sparse_mla"]._IMPLEMENTATIONS, "flydsl", broken)
-    result = self_check.run_family("sparse_mla", "flydsl", "dev")
-    assert not result.passed and len(result.cases) == 2
-    assert all(
-        c.error == "RuntimeError: UNIMPLEMENTED: kernel jsm_sparse_mla_h16_l1 is not here"
-        for c in result.cases
-    )
+    ratio, error = self_check.check(self_check.PLAN["jsm_sparse_mla_h16_l1"][0], "flydsl")
+    assert error == "RuntimeError: UNIMPLEMENTED: kernel jsm_sparse_mla_h16_l1 is not here"
+
+
+def test_decode_cases_have_rising_and_falling_maxima_over_blocks():
+    """The long requests' scores rise (request 1) and fall (request 2) from block to block."""
+    q, kv, idx, indptr = self_check.decode_inputs(0, 1)
+    k = np.asarray(kv.view(jnp.float8_e4m3fn).astype(jnp.float32))
+    qf = np.asarray(q.astype(jnp.float32))
+    ptr = np.asarray(indptr)
+    for request, sign in ((1, 1), (2, -1)):
+        ids = np.asarray(idx[ptr[request] : ptr[request + 1]])
+        ids = ids[(ids >= 0) & (ids < len(k))]
+        scores = (qf[request, 0] @ k[ids].T) * 0.5 * 576**-0.5
+        block_max = [scores[i : i + 128].max() for i in range(0, len(scores) - 127, 128)]
+        assert len(block_max) >= 6
+        assert all(sign * (b - a) > 0 for a, b in zip(block_max, block_max[1:], strict=False))
+        assert sign * (block_max[-1] - block_max[0]) > 10
 
 
 # ---------------------------------------------------------------------------------------------
-# The choice of implementation=None on a (fake) MI355
+# The choice of implementation=None on a (fake) MI355, verified in child processes
 # ---------------------------------------------------------------------------------------------
 
 
-def test_failing_self_check_falls_back_once_and_is_kept_on_disk(monkeypatch, mi355):
-    stand_in(monkeypatch, "sparse_mla", reversed_dims)
-    case = self_check.FAMILIES["sparse_mla"].cases[0][1]
-    targets, (message,) = lower_once(
-        f"kernel sparse_mla failed its self-check on {MI355.device_kind} (case '{case}': out["
-    )
-    assert targets == []  # "xla"
-    assert "implementation=None runs 'xla' for sparse_mla" in message
-    assert lower_once(None)[0] == []  # decided once: no second warning
-    (path,) = mi355.glob("selfcheck-sparse_mla-*.json")
-    record = json.loads(path.read_text())
-    assert record["device"] == MI355.device_kind
-    assert record["library_sha256"] == self_check.library_hash()
-    assert record["cases"][0]["error"].startswith("out[")
-    # A new process (verdicts forgotten) reads the disk, runs nothing and warns once again.
-    monkeypatch.setattr(self_check, "_VERDICTS", {})
-    monkeypatch.setattr(self_check, "run_family", lambda *a: pytest.fail("ran the check again"))
-    assert lower_once(f"(case '{case}': out[")[0] == []
+@pytest.fixture
+def mi355(monkeypatch, tmp_path):
+    """This process sees one (fake) MI355 with the FFI library and all its kernels; verdicts
+    kept under tmp_path, none known yet; the child runs the cases with the emulation."""
+    monkeypatch.setattr(_platform, "rocm_devices", lambda: [MI355])
+    monkeypatch.setattr(_platform, "flydsl_available", lambda: True)
+    monkeypatch.setattr(ffi, "library_kernels", lambda: configs.all_symbols())
+    monkeypatch.setenv(_verdicts.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(_verdicts, "_KNOWN", {})
+    monkeypatch.setattr(_verdicts, "_WARNED", set())
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    run_child = _verdicts._run_child
+
+    def emulated_child(symbols, device, implementation, on_event):
+        return run_child(symbols, device, self_check.EMULATION, on_event)
+
+    monkeypatch.setattr(_verdicts, "_run_child", emulated_child)
+    return tmp_path
 
 
-def test_passing_self_check_picks_the_kernels(monkeypatch, mi355):
-    stand_in(monkeypatch, "sparse_mla")
-    assert lower_once(None)[0] == ["jsm_sparse_mla"]
-    (path,) = mi355.glob("selfcheck-sparse_mla-*.json")
-    assert json.loads(path.read_text())["cases"][0]["error"] is None
+def new_process(monkeypatch):
+    """What a new process knows: the disk, nothing in memory."""
+    monkeypatch.setattr(_verdicts, "_KNOWN", {})
+    monkeypatch.setattr(_verdicts, "_WARNED", set())
 
 
-def test_disk_verdict_is_per_device_and_library(monkeypatch, mi355):
-    family, lib = "sparse_mla", self_check.library_hash()
-    case = self_check.CaseResult("sparse_mla", "c", 0.5, None)
-    passed = self_check.FamilyResult(family, MI355.device_kind, lib, (case,))
-    self_check.write_verdict(passed)
-    assert self_check.read_verdict(family, MI355.device_kind, lib) == passed
-    assert self_check.read_verdict(family, "AMD Instinct MI300X", lib) is None
-    assert self_check.read_verdict(family, MI355.device_kind, "0" * 64) is None
-    monkeypatch.setattr(self_check, "run_family", lambda *a: pytest.fail("ran the check again"))
-    assert lower_once(None)[0] == ["jsm_sparse_mla"]
-    monkeypatch.setenv(self_check.CACHE_ENV, "off")
-    assert self_check.cache_path(family, MI355.device_kind, lib) is None
-    assert self_check.read_verdict(family, MI355.device_kind, lib) is None
+def no_child(monkeypatch):
+    monkeypatch.setattr(_verdicts, "_run_child", lambda *a: pytest.fail("started a child"))
 
 
-def test_library_without_kernels_falls_back_and_flydsl_names_the_build_command(monkeypatch, mi355):
+def lower(h: int, expect_warning: str | None):
+    """jsm targets of sparse_mla (H heads, lse) lowered for ROCm inside jax.jit; asserts the
+    warnings (one containing ``expect_warning``, or none)."""
+    fn = functools.partial(jsm.sparse_mla, sm_scale=0.1, return_lse=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        targets = jsm_targets(fn, *sparse_args(h=h), platform="rocm")
+    messages = [str(w.message) for w in caught]
+    if expect_warning is None:
+        assert messages == []
+    else:
+        assert len(messages) == 1, messages
+        assert expect_warning in messages[0], messages[0]
+    return targets
+
+
+def disk(device=MI355.device_kind):
+    return _verdicts.DiskVerdicts(device).read()
+
+
+def test_trusted_configurations_pick_the_kernel(monkeypatch, mi355):
+    asked = []
+    monkeypatch.setattr(_verdicts, "trusted", lambda s, device: asked.append((s, device)) or True)
+    assert lower(19, None) == ["jsm_sparse_mla"]
+    assert asked == [(("jsm_sparse_mla_h16_l1", "jsm_sparse_mla_h3_l1"), MI355.device_kind)]
+
+
+def test_a_crash_fails_that_configuration_and_the_rest_are_verified(monkeypatch, mi355):
+    """H = 19 launches h16 and h3. The child aborts on h16's case: h16 fails (SIGABRT, kept),
+    a second child verifies h3 (passes, kept); the call runs "xla" with one warning."""
+    monkeypatch.setenv(self_check.FAULT_ENV, "abort:jsm_sparse_mla_h16_l1")
+    message = "kernel jsm_sparse_mla_h16_l1 failed its self-check on AMD Instinct MI355X (case"
+    assert lower(19, message) == []
+    verdicts = disk()["verdicts"]
+    h16, h3 = verdicts["jsm_sparse_mla_h16_l1"], verdicts["jsm_sparse_mla_h3_l1"]
+    assert h16.status == "fail" and "killed by SIGABRT (Aborted)" in h16.error
+    assert h16.case == self_check.PLAN["jsm_sparse_mla_h16_l1"][0].name
+    assert h3.status == "pass" and h3.error is None and h3.ratio == 0
+    assert lower(19, None) == []  # decided: no second warning, no child
+    new_process(monkeypatch)
+    no_child(monkeypatch)
+    assert lower(3, None) == ["jsm_sparse_mla"]  # h3's kept pass
+    assert lower(19, "killed by SIGABRT") == []  # h16's kept failure, warned again
+
+
+def test_a_hang_is_retried_once_then_fails(monkeypatch, mi355):
+    monkeypatch.setenv(self_check.FAULT_ENV, "hang:jsm_sparse_mla_h3_l1")
+    monkeypatch.setenv(_verdicts.TIMEOUT_ENV, "15")
+    message = "could not be verified on AMD Instinct MI355X now (case 'H3, rows of"
+    assert lower(3, message) == []
+    assert lower(3, None) == []  # this process: the retry verdict, no new child
+    record = disk()
+    assert "jsm_sparse_mla_h3_l1" not in record["verdicts"]
+    assert record["timeouts"] == {"jsm_sparse_mla_h3_l1": 1}
+    new_process(monkeypatch)
+    assert lower(3, "ran past its limit of 15 s per case") == []
+    v = disk()["verdicts"]["jsm_sparse_mla_h3_l1"]
+    assert v.status == "fail" and "for the second time" in v.error
+
+
+def test_out_of_memory_is_reported_and_not_kept(monkeypatch, mi355):
+    monkeypatch.setenv(self_check.FAULT_ENV, "oom:jsm_sparse_mla_h3_l1")
+    assert lower(3, "could not be verified on AMD Instinct MI355X now") == []
+    w = _verdicts.message(_verdicts._KNOWN[MI355.device_kind, "jsm_sparse_mla_h3_l1"], "x")
+    assert "RESOURCE_EXHAUSTED" in w and "checked again in a later process" in w
+    assert disk() == {"verdicts": {}, "timeouts": {}}
+    # A later process without the fault verifies it and runs the kernel.
+    monkeypatch.delenv(self_check.FAULT_ENV)
+    new_process(monkeypatch)
+    assert lower(3, None) == ["jsm_sparse_mla"]
+    assert disk()["verdicts"]["jsm_sparse_mla_h3_l1"].status == "pass"
+
+
+def test_library_without_the_kernel_falls_back_and_flydsl_names_the_build_command(
+    monkeypatch, mi355
+):
     monkeypatch.setattr(ffi, "library_kernels", lambda: frozenset())
-    monkeypatch.setattr(self_check, "run_family", lambda *a: pytest.fail("nothing to check"))
-    targets, (message,) = lower_once(
-        "kernel jsm_sparse_mla failed its self-check on AMD Instinct MI355X (case '-': the FFI "
-        "library has no jsm_sparse_mla kernel (0 kernels linked); build the kernels and relink: "
-        "python -m jax_sparse_mla.build --arch gfx950 --link)"
+    monkeypatch.setattr(ffi, "rocm_library", lambda: "the FFI library")
+    no_child(monkeypatch)
+    assert (
+        lower(
+            3,
+            "kernel jsm_sparse_mla_h3_l1 failed its self-check on AMD Instinct MI355X "
+            "(no case ran: "
+            "the FFI library has no jsm_sparse_mla_h3_l1 kernel (0 kernels linked); build the "
+            "kernels and relink: python -m jax_sparse_mla.build --arch gfx950 --link)",
+        )
+        == []
     )
-    assert targets == []
     with pytest.raises(RuntimeError, match="no jsm_sparse_mla kernel.*jax_sparse_mla.build"):
         jsm.sparse_mla(*sparse_args(), implementation="flydsl")
 
 
-def test_library_lists_its_kernels(tmp_path):
-    """A library linked without a kernel build lists none; the installed one its manifest's."""
-    try:
-        build_lib.compiler()
-    except RuntimeError as e:
-        pytest.skip(str(e))
-    empty = build_lib.build_library(tmp_path / "empty.so", None, recording=True)
-    assert ffi.kernel_symbols(ctypes.CDLL(str(empty))) == frozenset()
-    kernels = {k["symbol"] for k in build_lib.manifest_kernels(build_lib.DEFAULT_KERNEL_DIR)}
-    if not kernels:
-        return
-    full = build_lib.build_library(tmp_path / "full.so", build_lib.DEFAULT_KERNEL_DIR)
-    assert ffi.kernel_symbols(ctypes.CDLL(str(full))) == kernels
+def test_verdicts_are_per_device_library_and_check(monkeypatch, mi355):
+    v = _verdicts.Verdict("jsm_sparse_mla_h3_l1", "pass", "c", 0.5, None)
+    with _verdicts.DiskVerdicts(MI355.device_kind).update() as record:
+        record["verdicts"][v.symbol] = v
+    assert disk()["verdicts"] == {v.symbol: v}
+    assert disk("AMD Instinct MI300X")["verdicts"] == {}
+    assert _verdicts.DiskVerdicts(MI355.device_kind, "0" * 64).read()["verdicts"] == {}
+    monkeypatch.setattr(_verdicts, "check_hash", lambda: "another check")
+    assert disk()["verdicts"] == {}
+    monkeypatch.setenv(_verdicts.CACHE_ENV, "off")
+    assert _verdicts.DiskVerdicts(MI355.device_kind).path is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The layering: the platform choice reads verdicts without importing the ops
+# ---------------------------------------------------------------------------------------------
+
+
+def imported_modules(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
+
+
+@pytest.mark.parametrize("module", ["_platform.py", "_verdicts.py"])
+def test_the_platform_choice_imports_no_op_and_no_self_check(module):
+    names = imported_modules(ROOT / "jax_sparse_mla" / module)
+    for op in ("self_check", "sparse_mla", "mla_decode", "ultraquant", "sharding"):
+        assert not any(n.startswith(f"jax_sparse_mla.{op}") for n in names), (module, names)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,7 +6,9 @@ Scalars the kernels take as launch arguments (sm_scale, k_scale, v_scale) must b
 traced scale is unsupported (``implementation=None`` then runs "xla").
 
 Each ``*_unsupported(...)`` returns why the kernels cannot serve a call (or None); the function
-itself raises NotImplementedError with that reason. Under ``jax.vmap`` a call runs once per
+itself raises NotImplementedError with that reason. Each ``*_configurations(...)`` (same
+arguments) names the compiled kernel configurations the call launches: what the self-check must
+have verified before ``implementation=None`` runs it. Under ``jax.vmap`` a call runs once per
 batch element (``vmap_method="sequential"``).
 """
 
@@ -21,9 +23,11 @@ import numpy as np
 from jax_sparse_mla import _platform, ffi
 from jax_sparse_mla._vma import vary_like
 from jax_sparse_mla.formats import LATENT_DIM, RECORD_BYTES, UQ_HEAD_DIM
+from jax_sparse_mla.kernels.gfx950 import configs
 from jax_sparse_mla.kernels.gfx950.configs import MLA_DECODE_QLENS as KERNEL_QLENS
 from jax_sparse_mla.kernels.gfx950.configs import ULTRAQUANT_BLOCK_SIZES as KERNEL_BLOCK_SIZES
 from jax_sparse_mla.kernels.gfx950.configs import ULTRAQUANT_GROUP_SIZES as KERNEL_GROUP_SIZES
+from jax_sparse_mla.kernels.gfx950.configs import kernel_group_size
 
 # MI355: 256 CUs. mla_decode runs one 8-wave CTA per CU; ultraquant 12 one-wave groups per CU.
 _NUM_CUS = 256
@@ -78,6 +82,10 @@ def sparse_mla_unsupported(q, kv, idx, indptr, sm_scale, *, return_lse=False) ->
     return _nonstatic([("sm_scale", sm_scale)])
 
 
+def sparse_mla_configurations(q, kv, idx, indptr, sm_scale, *, return_lse=False):
+    return configs.sparse_mla_launches(q.shape[1], return_lse)
+
+
 def sparse_mla_flydsl(q, kv, idx, indptr, sm_scale, *, return_lse: bool):
     """q [n_q, H, 576] bf16, kv [..., 656] u8, idx [nnz] / indptr [n_q + 1] int32 ->
     (out [n_q, H, 512] bf16, lse [n_q, H] f32 or None). Any H (groups of <= 16 heads)."""
@@ -102,6 +110,18 @@ def mla_decode_unsupported(q, kv, kv_indices, kv_indptr, *, qlen, k_scale, v_sca
     if qlen not in KERNEL_QLENS:
         return f"qlen must be one of {KERNEL_QLENS}, got {qlen}"
     return _nonstatic([("k_scale", k_scale), ("v_scale", v_scale), ("sm_scale", sm_scale)])
+
+
+def mla_decode_partials_configurations(q, kv, kv_indices, kv_indptr, *, qlen, **_):
+    return (configs.mla_decode_partials_launch(qlen),)
+
+
+def mla_decode_configurations(q, kv, kv_indices, kv_indptr, *, qlen, **_):
+    return (configs.mla_decode_partials_launch(qlen), configs.MLA_DECODE_COMBINE)
+
+
+def merge_configurations(o_parts, lse_parts):
+    return (configs.MLA_DECODE_COMBINE,)
 
 
 def default_num_splits(q, kv_indices, kv_indptr, qlen: int) -> int:
@@ -186,11 +206,6 @@ def mla_decode_flydsl(q, kv, kv_indices, kv_indptr, *, qlen, num_splits, **scale
 # ---------------------------------------------------------------------------------------------
 
 
-def kernel_group_size(g: int) -> int | None:
-    """The compiled G that serves ``g`` query heads per KV head (zero rows padded), or None."""
-    return next((k for k in KERNEL_GROUP_SIZES if k >= g), None)
-
-
 def ultraquant_unsupported(q, cache, block_tables, seq_lens, *, sm_scale, **_) -> str | None:
     g = q.shape[1] // cache.shape[2]
     if kernel_group_size(g) is None:
@@ -198,6 +213,10 @@ def ultraquant_unsupported(q, cache, block_tables, seq_lens, *, sm_scale, **_) -
     if cache.shape[1] not in KERNEL_BLOCK_SIZES:
         return f"block_size must be one of {KERNEL_BLOCK_SIZES}, got {cache.shape[1]}"
     return _nonstatic([("sm_scale", sm_scale)])
+
+
+def ultraquant_configurations(q, cache, block_tables, seq_lens, **_):
+    return configs.ultraquant_launches(q.shape[1] // cache.shape[2], cache.shape[1])
 
 
 def default_num_partitions(batch: int, kv_heads: int, max_tokens: int) -> int:
@@ -224,8 +243,22 @@ def ultraquant_decode_flydsl(q, cache, block_tables, seq_lens, *, sm_scale, num_
     parts = num_partitions or default_num_partitions(
         batch, hk, block_tables.shape[1] * cache.shape[1]
     )
-    shape = (batch, hk, parts, kg)
-    partials = _call(
+    partials = ultraquant_partials_flydsl(
+        q, cache, block_tables, seq_lens, sm_scale=sm_scale, num_partitions=parts
+    )
+    out = ultraquant_reduce_flydsl(*partials)
+    if kg != g:
+        out = out.reshape(batch, hk, kg, UQ_HEAD_DIM)[:, :, :g].reshape(batch, hq, UQ_HEAD_DIM)
+    return out
+
+
+def ultraquant_partials_flydsl(q, cache, block_tables, seq_lens, *, sm_scale, num_partitions):
+    """The decode kernel alone: q [B, Hk * G, 256] bf16 (G compiled) -> out_parts
+    [B, Hk, P, G, 256] bf16, max_logits and exp_sums [B, Hk, P, G] f32."""
+    batch, hq, _ = q.shape
+    hk = cache.shape[2]
+    shape = (batch, hk, num_partitions, hq // hk)
+    return _call(
         "jsm_ultraquant_partials",
         [
             jax.ShapeDtypeStruct((*shape, UQ_HEAD_DIM), jnp.bfloat16),
@@ -238,14 +271,14 @@ def ultraquant_decode_flydsl(q, cache, block_tables, seq_lens, *, sm_scale, num_
         seq_lens,
         sm_scale=np.float32(_static(sm_scale)),
     )
-    out = _call(
-        "jsm_ultraquant_reduce",
-        [jax.ShapeDtypeStruct((batch, hk * kg, UQ_HEAD_DIM), jnp.bfloat16)],
-        *partials,
-    )[0]
-    if kg != g:
-        out = out.reshape(batch, hk, kg, UQ_HEAD_DIM)[:, :, :g].reshape(batch, hq, UQ_HEAD_DIM)
-    return out
+
+
+def ultraquant_reduce_flydsl(out_parts, max_logits, exp_sums):
+    """The reduce kernel alone: [B, Hk, P, G, 256] bf16 partials, [B, Hk, P, G] f32 max logits
+    and exp sums -> [B, Hk * G, 256] bf16."""
+    batch, hk, _, g, _ = out_parts.shape
+    result = [jax.ShapeDtypeStruct((batch, hk * g, UQ_HEAD_DIM), jnp.bfloat16)]
+    return _call("jsm_ultraquant_reduce", result, out_parts, max_logits, exp_sums)[0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ def symbols() -> dict[str, tuple[str, ...]]:
         ),
         "mla_decode": (
             *(f"jsm_mla_decode_partials_q{q}" for q in MLA_DECODE_QLENS),
-            "jsm_mla_decode_combine",
+            MLA_DECODE_COMBINE,
         ),
         "ultraquant": (
             *(
@@ -37,7 +37,7 @@ def symbols() -> dict[str, tuple[str, ...]]:
                 for g in ULTRAQUANT_GROUP_SIZES
                 for bs in ULTRAQUANT_BLOCK_SIZES
             ),
-            "jsm_ultraquant_reduce",
+            ULTRAQUANT_REDUCE,
         ),
         "probe": (
             *(f"jsm_mfma_probe_f{f}" for f in PROBE_A_FORMATS),
@@ -46,9 +46,42 @@ def symbols() -> dict[str, tuple[str, ...]]:
     }
 
 
+def sparse_mla_launches(heads: int, return_lse: bool) -> tuple[str, ...]:
+    """The configurations one ``sparse_mla`` call of ``heads`` heads launches: one per group
+    of up to 16 heads (the handler's order), each once."""
+    groups = [SPARSE_MLA_MAX_HEADS] * (heads // SPARSE_MLA_MAX_HEADS)
+    groups += [heads % SPARSE_MLA_MAX_HEADS] if heads % SPARSE_MLA_MAX_HEADS else []
+    return tuple(dict.fromkeys(f"jsm_sparse_mla_h{h}_l{int(return_lse)}" for h in groups))
+
+
+MLA_DECODE_COMBINE = "jsm_mla_decode_combine"
+ULTRAQUANT_REDUCE = "jsm_ultraquant_reduce"
+
+
+def mla_decode_partials_launch(qlen: int) -> str:
+    """The partials configuration of ``qlen`` query positions per request."""
+    return f"jsm_mla_decode_partials_q{qlen}"
+
+
+def kernel_group_size(g: int) -> int | None:
+    """The compiled G that serves ``g`` query heads per KV head (zero rows padded), or None."""
+    return next((k for k in ULTRAQUANT_GROUP_SIZES if k >= g), None)
+
+
+def ultraquant_launches(g: int, block_size: int) -> tuple[str, str]:
+    """The decode configuration serving ``g`` heads per KV head, and the reduce."""
+    return f"jsm_ultraquant_decode_g{kernel_group_size(g)}_bs{block_size}", ULTRAQUANT_REDUCE
+
+
 def all_symbols() -> frozenset[str]:
     """Every configuration's symbol: what a library linked with a complete build holds."""
     return frozenset(s for group in symbols().values() for s in group)
+
+
+def user_symbols() -> tuple[str, ...]:
+    """The configurations the ops launch (the diagnostic probes aside), in ``symbols()`` order:
+    what the self-check verifies."""
+    return tuple(s for module, group in symbols().items() if module != "probe" for s in group)
 
 
 def cpp_header() -> str:

@@ -1,0 +1,97 @@
+"""The self-check's plan (``self_check.PLAN``) run through the recording HIP: every kernel code
+object the library holds (the diagnostic probes aside) must be launched by the plan, each case
+must launch its own configuration, and the mla_decode cases must give every split of their long
+requests at least 3 blocks of 128 keys (the second LDS slot, its prefetch and the rescale by an
+earlier maximum run). A new configuration without cases fails here.
+
+The kernels do not run (the recording HIP logs their launches), so only the "flydsl" side of
+each case runs; its outputs are not compared.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jax_sparse_mla import self_check
+from jax_sparse_mla._build import build_lib
+from jax_sparse_mla.emulation.bounds import decode_split_keys
+from jax_sparse_mla.kernels.gfx950 import configs
+from tests.cpu_subprocess import child_env
+from tests.recording import recording_library, register_for_cpu
+
+
+def run_driver(library: str) -> list[dict]:
+    """The subprocess: every case of the plan with "flydsl", its launches recorded."""
+    import jax
+
+    take = register_for_cpu(library)
+    result = []
+    for symbol, cases in self_check.PLAN.items():
+        for case in cases:
+            run, _ = case.setup()
+            jax.block_until_ready(run("flydsl"))
+            launches = [
+                {"kernel": e["kernel"], "packed": {f"{n}:{k}": v for n, k, v in e["packed"]}}
+                for e in take()
+                if e["event"] == "launch"
+            ]
+            result.append({"symbol": symbol, "case": case.name, "launches": launches})
+    return result
+
+
+@pytest.fixture(scope="module")
+def plan_launches(tmp_path_factory):
+    library = recording_library(tmp_path_factory.mktemp("ffi"))
+    proc = subprocess.run(
+        [sys.executable, __file__, str(library)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=child_env(JAX_PLATFORMS="cpu"),  # the recording handlers are the CPU's
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_the_plan_launches_every_code_object_of_the_library(plan_launches):
+    launched = {launch["kernel"] for case in plan_launches for launch in case["launches"]}
+    held = {k["symbol"] for k in build_lib.manifest_kernels(build_lib.DEFAULT_KERNEL_DIR)}
+    probes = set(configs.symbols()["probe"])
+    assert held - probes - launched == set(), "code objects no self-check case launches"
+    assert launched == set(configs.user_symbols())
+
+
+def test_each_case_launches_its_own_configuration(plan_launches):
+    assert len(plan_launches) == sum(len(c) for c in self_check.PLAN.values())
+    for case in plan_launches:
+        kernels = [launch["kernel"] for launch in case["launches"]]
+        assert case["symbol"] in kernels, case
+        if case["symbol"].startswith("jsm_sparse_mla") or "partials" in case["symbol"]:
+            assert kernels == [case["symbol"]]
+
+
+@pytest.mark.parametrize("qlen", configs.MLA_DECODE_QLENS)
+def test_decode_cases_reach_three_blocks_in_every_split(plan_launches, qlen):
+    symbol = configs.mla_decode_partials_launch(qlen)
+    (case,) = [c for c in plan_launches if c["symbol"] == symbol]
+    (launch,) = case["launches"]
+    splits = launch["packed"]["num_splits:i32"]
+    assert splits == self_check.DECODE_SPLITS >= 2
+    _, kv, idx, indptr = self_check.decode_inputs(0, qlen)  # seq lens do not depend on the seed
+    blocks: dict[int, list[int]] = {}
+    for row, _, _, n_blocks in decode_split_keys(idx, indptr, len(kv), qlen, splits):
+        if row % qlen == 0:  # one row per request
+            blocks.setdefault(row // qlen, []).append(n_blocks)
+    seq = np.diff(np.asarray(indptr))
+    assert seq[0] == 0  # an empty request
+    for request in (1, 2):  # rising and falling scores
+        assert min(blocks[request]) >= 3 and len(blocks[request]) == splits, blocks
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_driver(sys.argv[1])))
