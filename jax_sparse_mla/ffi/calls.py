@@ -29,9 +29,15 @@ from jax_sparse_mla.kernels.gfx950.configs import ULTRAQUANT_BLOCK_SIZES as KERN
 from jax_sparse_mla.kernels.gfx950.configs import ULTRAQUANT_GROUP_SIZES as KERNEL_GROUP_SIZES
 from jax_sparse_mla.kernels.gfx950.configs import kernel_group_size
 
-# MI355: 256 CUs. mla_decode runs one 8-wave CTA per CU; ultraquant 12 one-wave groups per CU.
-_NUM_CUS = 256
+# mla_decode runs one 8-wave CTA per CU; ultraquant 12 one-wave groups per CU.
+MI355_CUS = 256  # MI355X; assumed when lowering for ROCm on a host without the GPU
 _UQ_WORKGROUPS_PER_CU = 12
+
+
+def device_cus() -> int:
+    """The CUs of this process's first ROCm device (jax's ``core_count``), else the MI355X's."""
+    devices = _platform.rocm_devices()
+    return int(getattr(devices[0], "core_count", 0) or MI355_CUS) if devices else MI355_CUS
 
 
 def _call(target: str, results, *args, **attrs):
@@ -116,8 +122,11 @@ def mla_decode_partials_configurations(q, kv, kv_indices, kv_indptr, *, qlen, **
     return (configs.mla_decode_partials_launch(qlen),)
 
 
-def mla_decode_configurations(q, kv, kv_indices, kv_indptr, *, qlen, **_):
-    return (configs.mla_decode_partials_launch(qlen), configs.MLA_DECODE_COMBINE)
+def mla_decode_configurations(q, kv, kv_indices, kv_indptr, *, qlen, num_splits=None, **_):
+    partials = configs.mla_decode_partials_launch(qlen)
+    if (num_splits or default_num_splits(q, kv_indices, kv_indptr, qlen)) == 1:
+        return (partials,)  # one split writes the output itself
+    return (partials, configs.MLA_DECODE_COMBINE)
 
 
 def merge_configurations(o_parts, lse_parts):
@@ -125,12 +134,12 @@ def merge_configurations(o_parts, lse_parts):
 
 
 def default_num_splits(q, kv_indices, kv_indptr, qlen: int) -> int:
-    """Splits that fill the MI355's CUs: one CTA per (16 query rows, split, request), at most
-    one split per 128 keys of the mean request."""
+    """Splits that fill the GPU's CUs (``device_cus``): one CTA per (16 query rows, split,
+    request), at most one split per 128 keys of the mean request."""
     batch = kv_indptr.shape[0] - 1
     groups = math.ceil(q.shape[1] * qlen / 16)
     blocks = math.ceil(kv_indices.shape[0] / max(batch, 1) / 128)
-    return max(1, min(16, math.ceil(_NUM_CUS / max(batch * groups, 1)), blocks))
+    return max(1, min(math.ceil(device_cus() / max(batch * groups, 1)), blocks))
 
 
 def mla_decode_partials_flydsl(
@@ -193,12 +202,16 @@ def merge_attn_states_flydsl(o_parts, lse_parts):
 
 
 def mla_decode_flydsl(q, kv, kv_indices, kv_indptr, *, qlen, num_splits, **scales):
-    """Partials (num_splits None: ``default_num_splits``) then the combine kernel."""
+    """Partials (num_splits None: ``default_num_splits``) then the combine kernel; one split's
+    partial is the output itself (the combine of one partial returns its o and lse exactly:
+    weight ``exp2(0) = 1``, ``log2(1) = 0``), so it is not launched."""
     splits = num_splits or default_num_splits(q, kv_indices, kv_indptr, qlen)
-    parts = mla_decode_partials_flydsl(
+    o_parts, lse_parts = mla_decode_partials_flydsl(
         q, kv, kv_indices, kv_indptr, qlen=qlen, num_splits=splits, **scales
     )
-    return merge_attn_states_flydsl(*parts)
+    if splits == 1:
+        return o_parts[:, 0], lse_parts[:, 0]
+    return merge_attn_states_flydsl(o_parts, lse_parts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,8 +233,8 @@ def ultraquant_configurations(q, cache, block_tables, seq_lens, **_):
 
 
 def default_num_partitions(batch: int, kv_heads: int, max_tokens: int) -> int:
-    """Partitions that fill the MI355 (12 one-wave groups per CU), at most one per 128 tokens."""
-    fill = math.ceil(_NUM_CUS * _UQ_WORKGROUPS_PER_CU / max(batch * kv_heads, 1))
+    """Partitions that fill the GPU (12 one-wave groups per CU), at most one per 128 tokens."""
+    fill = math.ceil(device_cus() * _UQ_WORKGROUPS_PER_CU / max(batch * kv_heads, 1))
     return max(1, min(fill, math.ceil(max_tokens / 128)))
 
 
