@@ -4,8 +4,8 @@ Measured on XLA's compiled memory analysis (deterministic, no timing, nothing al
 short, a long and a very long row. The claims (``impls.MEMORY_FLAT_FROM``): "xla" and the gfx950
 emulation walk the keys in fixed tiles, so their temporaries are the same for every length;
 "pallas", "mosaic" and "flydsl" split long rows over more programs until the GPU is full (at
-most ``TARGET_PROGRAMS`` Pallas programs, ``TARGET_CTAS`` Mosaic GPU CTAs, 16 splits / one
-partition per CU group for the MI355 kernels), then stay flat: their partials hold a row's share
+most ``TARGET_PROGRAMS`` Pallas programs, ``TARGET_CTAS`` Mosaic GPU CTAs, a split / one
+partition per CU (group) for the MI355 kernels), then stay flat: their partials hold a row's share
 of the GPU, not the row. Every size stays below 64 MB for one row / request.
 """
 
