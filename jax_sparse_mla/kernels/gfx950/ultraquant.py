@@ -139,6 +139,7 @@ from jax_sparse_mla.kernels.gfx950._primitives import (
     as_ir,
     bf16_pair,
     buffer_rsrc,
+    compiler_fence,
     exp2,
     fp8x4,
     mfma_scaled,
@@ -233,11 +234,15 @@ def _lds_store(base: ir.Value, offset, value, align: int) -> None:
 
 
 def _lds_fence() -> None:
-    """Keep the compiler from moving LDS accesses across this point and wait for the wave's
-    outstanding LDS operations (cross-lane exchange through LDS)."""
+    """Keep the compiler from moving LDS accesses across this point (``compiler_fence``: the
+    ``sched_barrier`` and ``s_waitcnt`` intrinsics alone order no memory access in LLVM IR) and
+    wait for the wave's outstanding LDS operations (cross-lane exchange through LDS; one wave
+    per workgroup, so no ``s_barrier``)."""
+    compiler_fence()
     rocdl.sched_barrier(0)
     rocdl.s_waitcnt(lgkmcnt=0)
     rocdl.sched_barrier(0)
+    compiler_fence()
 
 
 def _words(vec, n: int) -> list:
@@ -637,6 +642,9 @@ def _build_decode(group_size: int, block_size: int):
                 run_max = new_max
                 alpha4 = fx.Vector.from_elements([alpha] * 4, dtype=fx.Float32)
                 acc_pv = [a * alpha4 for a in acc_pv]
+                # overwrites the V tile the previous tile's PV read (other lanes): a wave's LDS
+                # operations run in order, and the compiler may not reorder them either
+                compiler_fence()
                 _stage_v(lds, v_words, v_scale, v_token, v_chunk)
                 _lds_fence()
                 p_op = fx.Vector.from_elements(probs, dtype=fx.Float32).to(fx.BFloat16)
