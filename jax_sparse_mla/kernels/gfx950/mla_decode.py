@@ -139,14 +139,18 @@ from jax_sparse_mla.kernels.gfx950._primitives import (
     store_lds,
     uniform,
 )
+from jax_sparse_mla.kernels.gfx950.configs import (
+    MLA_DECODE_COMBINE_THREADS,
+    MLA_DECODE_PARTIALS_THREADS,
+)
 from jax_sparse_mla.kernels.gfx950.configs import MLA_DECODE_QLENS as QLENS
 
 KV_DIM = 576  # K = all 576 codes of a row; V = its first 512
 LATENT = 512
 BLOCK = 128  # keys per block
 ROWS = 16  # query rows per CTA
-WAVES = 8
-THREADS = 64 * WAVES
+THREADS = MLA_DECODE_PARTIALS_THREADS
+WAVES = THREADS // 64  # 8
 TILE = BLOCK // WAVES  # keys per wave per block
 QK_STEPS = KV_DIM // 64  # MFMAs per tile: each pairs 64 dims with q's hi and lo
 LAT_TILES = LATENT // WAVES // 16  # 16-latent output tiles per wave
@@ -165,7 +169,7 @@ E8M0_ONE = 127
 Q_SCALE_MIN = 6  # smallest hi E8M0 byte (the lo one, s - 5, stays >= 1)
 LO_SHIFT = 5  # lo = e4m3(residual * 2^5) (split_fp8), E8M0 scale of the lo operand: byte - 5
 PARTIALS_WAVES_PER_EU = 2
-COMBINE_WAVES = 4
+COMBINE_WAVES = MLA_DECODE_COMBINE_THREADS // 64  # 4: one merged row per wave
 COMBINE_WAVES_PER_EU = 8
 
 

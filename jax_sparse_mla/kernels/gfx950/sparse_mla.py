@@ -130,12 +130,16 @@ from jax_sparse_mla.kernels.gfx950._primitives import (
     store_lds,
     uniform,
 )
-from jax_sparse_mla.kernels.gfx950.configs import SPARSE_MLA_HEADS, SPARSE_MLA_RETURN_LSE
+from jax_sparse_mla.kernels.gfx950.configs import (
+    SPARSE_MLA_HEADS,
+    SPARSE_MLA_RETURN_LSE,
+    SPARSE_MLA_THREADS,
+)
 from jax_sparse_mla.kernels.gfx950.configs import SPARSE_MLA_MAX_HEADS as MAX_HEADS
 
 RECORD_BYTES = 656
 TILE = 128  # tokens per tile
-THREADS = 256  # 4 waves of 64
+THREADS = SPARSE_MLA_THREADS  # 4 waves of 64
 SCALE_OFF = 512  # record byte offsets
 ROPE_OFF = 528
 Q_DIM = 576

@@ -147,9 +147,11 @@ from jax_sparse_mla.kernels.gfx950._primitives import (
 )
 from jax_sparse_mla.kernels.gfx950.configs import ULTRAQUANT_BLOCK_SIZES as BLOCK_SIZES
 from jax_sparse_mla.kernels.gfx950.configs import ULTRAQUANT_GROUP_SIZES as GROUP_SIZES
+from jax_sparse_mla.kernels.gfx950.configs import ULTRAQUANT_THREADS
 
 HEAD_DIM = 256
 WAVE = 64
+THREADS = ULTRAQUANT_THREADS  # per workgroup: one wave (both kernels assume it)
 TILE = 16  # tokens per QK / PV MFMA step
 TILE_GROUP = 128  # KV_COMPUTE_BLOCK: tokens per partition work item
 N_TILES = TILE_GROUP // TILE
@@ -548,7 +550,7 @@ def _build_decode(group_size: int, block_size: int):
     """The decode kernel and its launch function for one (G, block size)."""
     assert group_size in GROUP_SIZES and block_size in BLOCK_SIZES
 
-    @flyc.kernel(known_block_size=(WAVE, 1, 1))
+    @flyc.kernel(known_block_size=(THREADS, 1, 1))
     def ultraquant_decode_kernel(
         out_parts: fx.Tensor,
         max_logits: fx.Tensor,
@@ -710,7 +712,9 @@ def _build_decode(group_size: int, block_size: int):
             stride_q_head,
             sm_scale,
             value_attrs=_occupancy_attrs(DECODE_WAVES_PER_SIMD),
-        ).launch(grid=(num_seqs, num_kv_heads, num_partitions), block=(WAVE, 1, 1), stream=stream)
+        ).launch(
+            grid=(num_seqs, num_kv_heads, num_partitions), block=(THREADS, 1, 1), stream=stream
+        )
 
     return launch
 
@@ -723,7 +727,7 @@ def _build_decode(group_size: int, block_size: int):
 def _build_reduce():
     """The partition reduce kernel and its launch function."""
 
-    @flyc.kernel(known_block_size=(WAVE, 1, 1))
+    @flyc.kernel(known_block_size=(THREADS, 1, 1))
     def ultraquant_reduce_kernel(
         out: fx.Tensor,
         out_parts: fx.Tensor,
@@ -796,7 +800,7 @@ def _build_reduce():
             num_partitions,
             value_attrs=_occupancy_attrs(MAX_WAVES_PER_SIMD),
         ).launch(
-            grid=(num_seqs, num_kv_heads * query_group_size), block=(WAVE, 1, 1), stream=stream
+            grid=(num_seqs, num_kv_heads * query_group_size), block=(THREADS, 1, 1), stream=stream
         )
 
     return launch
