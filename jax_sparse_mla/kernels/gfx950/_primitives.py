@@ -82,11 +82,13 @@ def compiler_fence() -> None:
     emits no instruction and no wait.
 
     An empty ``asm sideeffect "", "~{memory}"``: IR passes see a call that may read and write
-    any memory, the backend an ``INLINEASM`` that may load and store. The intrinsics
-    ``llvm.amdgcn.s.barrier``, ``.s.waitcnt`` and ``.sched.barrier`` are ``IntrNoMem``: they
-    order no memory access at the IR level (``sched_barrier`` only fences the machine
-    scheduler), so without this a load could be hoisted above, or a store sunk below, an
-    ``s_barrier`` or an explicit wait.
+    any memory, the backend an ``INLINEASM`` that may load and store. The calls of
+    ``llvm.amdgcn.s.barrier``, ``.s.waitcnt`` and ``.sched.barrier`` are such points today, but
+    only through how they are declared: ``IntrinsicsAMDGPU.td`` marks them ``IntrNoMem`` and
+    ``IntrHasSideEffects``, and LLVM's intrinsic emitter turns that pair into unknown memory
+    effects (``getEffectiveME``, with a TODO to refine it). FlyDSL 0.5's LLVM declares them
+    without ``memory(none)``, and a bare ``s_barrier`` between an LDS store and a load of the
+    same word keeps the load. This fence states the ordering instead of relying on that.
     """
     llvm.inline_asm(None, [], "", "~{memory}", has_side_effects=True)
 
@@ -102,8 +104,9 @@ def lds_barrier(vm: bool = False) -> None:
     ``acquire`` around ``s_barrier``: what ``gpu.barrier`` and ``__syncthreads`` lower to). In
     the LLVM AMDGPU memory model for GFX942 / GFX950 outside tgsplit mode (``AMDGPUUsage``,
     memory model GFX942; ``SIMemoryLegalizer``), the workgroup release is ``s_waitcnt
-    lgkmcnt(0)`` only (no ``vmcnt``: one CU, one L1; LDS operations of a CU are performed in
-    one global order) and the acquire emits nothing (``buffer_inv sc0`` in tgsplit mode only).
+    lgkmcnt(0)`` only (no ``vmcnt``: a workgroup's waves share one CU, whose L1 keeps their
+    memory operations in order; a CU performs its LDS operations in one global order) and the
+    acquire emits nothing (``buffer_inv sc0`` in tgsplit mode only).
     But a release that covers LDS must also wait for the LDS write of every LDS DMA in flight
     (``llvm/test/CodeGen/AMDGPU/lds-dma-workgroup-release.ll``: gfx942 puts ``s_waitcnt
     vmcnt(0) lgkmcnt(0)`` before ``s_barrier`` after a ``buffer_load ... lds``, alias scopes

@@ -236,10 +236,10 @@ def _lds_store(base: ir.Value, offset, value, align: int) -> None:
 
 
 def _lds_fence() -> None:
-    """Keep the compiler from moving LDS accesses across this point (``compiler_fence``: the
-    ``sched_barrier`` and ``s_waitcnt`` intrinsics alone order no memory access in LLVM IR) and
-    wait for the wave's outstanding LDS operations (cross-lane exchange through LDS; one wave
-    per workgroup, so no ``s_barrier``)."""
+    """Keep the compiler from moving LDS accesses across this point (``compiler_fence``, which
+    does not rely on how the ``sched_barrier`` / ``s_waitcnt`` intrinsics are declared) and wait
+    for the wave's outstanding LDS operations (cross-lane exchange through LDS; one wave per
+    workgroup, so no ``s_barrier``)."""
     compiler_fence()
     rocdl.sched_barrier(0)
     rocdl.s_waitcnt(lgkmcnt=0)
