@@ -1,5 +1,6 @@
 """One list of compiled configurations (kernels/gfx950/configs.py), read by every consumer."""
 
+import functools
 import importlib.util
 
 import pytest
@@ -15,6 +16,26 @@ def test_kernel_modules_compile_exactly_the_listed_configurations():
         compiled = tuple(c.symbol for c in build.kernel_module("gfx950", module).CONFIGS)
         assert compiled == configs.symbols()[module], module
     assert set(configs.symbols()) == set(build.KERNEL_MODULES)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flydsl") is None, reason="needs FlyDSL")
+def test_kernel_modules_launch_the_listed_threads_per_workgroup():
+    module = functools.partial(build.kernel_module, "gfx950")
+    assert module("sparse_mla").THREADS == configs.SPARSE_MLA_THREADS
+    assert module("mla_decode").THREADS == configs.MLA_DECODE_PARTIALS_THREADS
+    assert 64 * module("mla_decode").COMBINE_WAVES == configs.MLA_DECODE_COMBINE_THREADS
+    assert module("ultraquant").THREADS == configs.ULTRAQUANT_THREADS
+
+
+def test_handlers_header_holds_the_threads_per_workgroup():
+    header = build_lib.configs_module().cpp_header()
+    for name, value in (
+        ("kSparseMlaThreads", configs.SPARSE_MLA_THREADS),
+        ("kMlaDecodePartialsThreads", configs.MLA_DECODE_PARTIALS_THREADS),
+        ("kMlaDecodeCombineThreads", configs.MLA_DECODE_COMBINE_THREADS),
+        ("kUltraquantThreads", configs.ULTRAQUANT_THREADS),
+    ):
+        assert f"constexpr int64_t {name} = {value};" in header
 
 
 def test_python_checks_read_the_list():

@@ -189,6 +189,33 @@ def bad_calls():
     }  # fmt: skip
 
 
+# The handlers' grids and grid checks through the recording build's jsm_record_grid:
+# name -> (target, its quantities). Cases named after a scenario are compared with that
+# scenario's launches; "<case>_at" is the largest grid within the HSA limit of 2^32 - 1
+# work-items per dimension, "<case>_past" the next one. No handler call reaches the limit
+# with less than 8 GiB of buffers: each grid grows with a result (sparse_mla's out is 16 GiB
+# at n_q = 2^24, the reduce's 32 GiB at B = 2^26), and XLA CPU skips a custom call whose
+# results are all empty (H = 0, say), so the checks are exercised here on their quantities.
+GRID_CASES = {
+    "sparse_h20_lse": ("jsm_sparse_mla", (3,)),
+    "decode_q2": ("jsm_mla_decode_partials", (3, 16, 4, 2)),  # B, H, S, qlen
+    "decode_q1_h128": ("jsm_mla_decode_partials", (2, 128, 1, 1)),
+    "decode_q2_combine": ("jsm_mla_decode_combine", (6, 16)),  # n = B * qlen, H
+    "ultraquant_g8": ("jsm_ultraquant_partials", (2, 2, 3)),  # B, Hk, P
+    "ultraquant_g8_reduce": ("jsm_ultraquant_reduce", (2, 16)),  # B, Hq
+    "sparse_at": ("jsm_sparse_mla", (2**24 - 1,)),
+    "sparse_past": ("jsm_sparse_mla", (2**24,)),
+    "partials_at": ("jsm_mla_decode_partials", (2**20 - 1, 16, 8, 1)),
+    "partials_past": ("jsm_mla_decode_partials", (2**20, 16, 8, 1)),
+    "combine_at": ("jsm_mla_decode_combine", (2**24 - 1, 4)),
+    "combine_past": ("jsm_mla_decode_combine", (2**24, 4)),
+    "uq_at": ("jsm_ultraquant_partials", (2**26 - 1, 1, 1)),
+    "uq_past": ("jsm_ultraquant_partials", (2**26, 1, 1)),
+    "reduce_at": ("jsm_ultraquant_reduce", (2**26 - 1, 8)),
+    "reduce_past": ("jsm_ultraquant_reduce", (2**26, 8)),
+}
+
+
 def run_driver(library: str) -> dict:
     """The subprocess: registers the recording library for the CPU, runs every scenario twice
     (the second run's events show whether code objects load again) and every bad call."""
@@ -223,6 +250,15 @@ def run_driver(library: str) -> dict:
         except Exception as e:  # noqa: BLE001  (the message is the result)
             errors[name] = str(e)
     result["errors"] = errors
+    lib.jsm_record_grid.restype = ctypes.c_int
+    grids = {}
+    for name, (target, quantities) in GRID_CASES.items():
+        q = (ctypes.c_int64 * 4)(*quantities)
+        grid = (ctypes.c_int64 * 4)()
+        message = ctypes.create_string_buffer(1024)
+        rc = lib.jsm_record_grid(target.encode(), q, grid, message, len(message))
+        grids[name] = {"rc": rc, "grid": list(grid), "message": message.value.decode()}
+    result["grids"] = grids
     return result
 
 
@@ -326,7 +362,7 @@ def test_code_objects_load_once_per_device(recorded):
     (the scenarios run in order, each twice), on the launch's device, and never again."""
     loaded = set()
     for name, r in recorded.items():
-        if name == "errors":
+        if name in ("errors", "grids"):
             continue
         for event in r["events"] + r["again"]:
             assert event["device"] == 0
@@ -525,6 +561,53 @@ def test_handlers_reject_bad_buffers(recorded, name):
     message = recorded["errors"][name]
     assert message is not None and "INVALID_ARGUMENT" in message
     assert EXPECTED_ERRORS[name] in message
+
+
+@pytest.mark.parametrize(
+    ("case", "scenario", "kernel"),
+    [
+        ("sparse_h20_lse", "sparse_h20_lse", "jsm_sparse_mla_h16_l1"),
+        ("decode_q2", "decode_q2", "jsm_mla_decode_partials_q2"),
+        ("decode_q1_h128", "decode_q1_h128", "jsm_mla_decode_partials_q1"),
+        ("decode_q2_combine", "decode_q2", "jsm_mla_decode_combine"),
+        ("ultraquant_g8", "ultraquant_g8", "jsm_ultraquant_decode_g8_bs32"),
+        ("ultraquant_g8_reduce", "ultraquant_g8", "jsm_ultraquant_reduce"),
+    ],
+)
+def test_grid_checks_model_the_launches(recorded, case, scenario, kernel):
+    """The grid each handler checks is the grid FlyDSL's launcher launched, threads included."""
+    g = recorded["grids"][case]
+    assert g["rc"] == 0 and g["message"] == ""
+    (event,) = [e for e in launches(recorded[scenario]["events"]) if e["kernel"] == kernel]
+    assert event["grid"] == g["grid"][:3] and event["block"] == [g["grid"][3], 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("case", "target", "x_is", "threads", "x_at"),
+    [
+        ("sparse", "jsm_sparse_mla", "n_q", 256, 2**24 - 1),
+        (
+            "partials",
+            "jsm_mla_decode_partials",
+            "8 * ceil(H * qlen / 16) * ceil(B * S / 8)",
+            512,
+            2**23 - 8,
+        ),
+        ("combine", "jsm_mla_decode_combine", "ceil(n * H / 4)", 256, 2**24 - 1),
+        ("uq", "jsm_ultraquant_partials", "B", 64, 2**26 - 1),
+        ("reduce", "jsm_ultraquant_reduce", "B", 64, 2**26 - 1),
+    ],
+)
+def test_grids_past_the_hsa_limit_are_rejected(recorded, case, target, x_is, threads, x_at):
+    at, past = recorded["grids"][f"{case}_at"], recorded["grids"][f"{case}_past"]
+    assert at["message"] == "" and at["grid"][0] == x_at and x_at * threads <= 2**32 - 1
+    x = past["grid"][0]
+    assert x * threads >= 2**32 and past["grid"][3] == threads
+    assert past["message"] == (
+        f"{target}: the grid's x dimension, {x_is} = {x} workgroups of {threads} threads = "
+        f"{x * threads} work-items, exceeds the HSA limit of 2^32 - 1 = 4294967295 "
+        "work-items per grid dimension"
+    )
 
 
 if __name__ == "__main__":

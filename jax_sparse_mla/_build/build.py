@@ -7,7 +7,8 @@ Compiles every configuration (``CONFIGS``) of every kernel module in
 ``export_to_c`` and writes to ``--out``:
 
 - ``objects/<symbol>.o`` + ``.h``: the host object (packed ``void **args`` entry, module
-  init/load/unload) with the code object embedded;
+  init/load/unload) with the code object embedded; ``objects/<symbol>.s``: its kernel's final
+  ISA (FlyDSL's dump of the same compilation; ``tests/test_isa.py`` checks its waits);
 - ``manifest.json``: for each configuration its module, fields, symbol, launch ABI (FlyDSL's
   export metadata), the GPU kernel's argument sizes, kernel resources and a source key; a
   configuration whose key is unchanged is not recompiled.
@@ -24,16 +25,19 @@ misses its design occupancy. ``--link`` then relinks the installed FFI library
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import importlib
 import importlib.machinery
 import importlib.util
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -92,17 +96,41 @@ def toolchain_env(arch: str, out: Path) -> dict[str, str]:
 
 
 def compile_configs(arch: str, module: str, indices: list[int], objects: Path) -> None:
-    """Compiles and exports ``CONFIGS[i]`` of ``module`` for each i; writes ``<symbol>.json``."""
+    """Compiles and exports ``CONFIGS[i]`` of ``module`` for each i; writes ``<symbol>.s`` (the
+    final ISA, ``compile_with_isa``) and ``<symbol>.json``."""
     mod = kernel_module(arch, module)
     for i in indices:
         config = mod.CONFIGS[i]
         start = time.perf_counter()
-        compiled = mod.compile_config(config)
+        compiled, isa = compile_with_isa(mod.compile_config, config)
+        (objects / f"{config.symbol}.s").write_text(isa)
         compiled.export_to_c(str(objects), config.symbol)
         seconds = time.perf_counter() - start
         record = {"seconds": round(seconds, 3)}
         (objects / f"{config.symbol}.json").write_text(json.dumps(record))
         print(f"compiled {config.symbol} in {seconds:.1f} s", flush=True)
+
+
+def compile_with_isa(compile_config, config) -> tuple[object, str]:
+    """``compile_config(config)`` with FlyDSL's ISA dump on (``FLYDSL_DEBUG_DUMP_ASM``): the
+    compiled function and the final ISA text of its kernel (the assembly of the code object:
+    ``tests/test_isa.py`` reassembles it to the code object's bytes)."""
+    saved = {k: os.environ.get(k) for k in ("FLYDSL_DEBUG_DUMP_ASM", "FLYDSL_DUMP_DIR")}
+    with tempfile.TemporaryDirectory() as dump:
+        os.environ.update(FLYDSL_DEBUG_DUMP_ASM="1", FLYDSL_DUMP_DIR=dump)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # FlyDSL prints each dump's path
+                compiled = compile_config(config)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        found = sorted(Path(dump).glob("**/*_final_isa.s"))
+        if len(found) != 1:
+            raise RuntimeError(f"{config.symbol}: expected one ISA dump, found {found}")
+        return compiled, found[0].read_text()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +179,8 @@ def build(arch: str, out: Path, jobs: int, force: bool = False) -> dict:
             job = Job(module, i, config, source_key(sources, module, config))
             all_jobs.append(job)
             prev = old.get(config.symbol)
-            if not (prev and prev["key"] == job.key and (objects / f"{config.symbol}.o").exists()):
+            built = all((objects / f"{config.symbol}{ext}").exists() for ext in (".o", ".s"))
+            if not (prev and prev["key"] == job.key and built):
                 stale.append(job)
 
     start = time.perf_counter()
@@ -233,6 +262,7 @@ def _manifest_entry(job: Job, objects: Path, old: dict) -> dict:
         "key": job.key,
         "object": f"objects/{symbol}.o",
         "header": f"objects/{symbol}.h",
+        "isa": f"objects/{symbol}.s",
         "abi": _export_metadata(obj, symbol),
         "kernel_arg_sizes": _one(read_kernel_arg_sizes(obj), symbol),
         "resources": [dataclasses.asdict(r) for r in resources],

@@ -135,7 +135,7 @@ def build_library(
         exports = Path(tmp) / "exports.map"  # the handlers, the kernel list, the test hooks
         exports.write_text(
             "{ global: Jsm*; jsm_kernel_symbols; jsm_prepare_launch; jsm_record_take;\n"
-            "  local: *; };\n"
+            "  jsm_record_grid; local: *; };\n"
         )
         # Linked next to ``output`` and renamed over it: a process that loaded the old copy
         # keeps its inode (writing into a loaded library in place would corrupt that process).

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 EM_AMDGPU = 224
 NT_AMDGPU_METADATA = 32
 SHT_SYMTAB, SHT_NOTE = 2, 7
+STT_FUNC = 2
 
 # gfx950 (CDNA4) compute unit: 4 SIMDs; per SIMD 512 unified VGPRs per lane (architectural
 # VGPRs first, AGPRs from the accumulation offset), 800 SGPRs and at most 8 waves; 160 KiB LDS.
@@ -95,6 +96,17 @@ def read_kernel_arg_sizes(object_bytes: bytes) -> dict[str, list[int]]:
     }
 
 
+def read_kernel_code(object_bytes: bytes) -> dict[str, bytes]:
+    """Per function symbol (a kernel's name) of the embedded code objects, its machine code."""
+    out = {}
+    for elf in _embedded_amdgpu_elfs(object_bytes):
+        for name, info, value, size in _symbols(elf):
+            if info & 0xF == STT_FUNC and size:
+                at = _address_to_offset(elf, value)
+                out[name] = elf[at : at + size]
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # ELF64 little-endian
 # ---------------------------------------------------------------------------------------------
@@ -154,22 +166,33 @@ def _amdgpu_metadata(elf: bytes) -> dict:
     raise ValueError("no NT_AMDGPU_METADATA note in the code object")
 
 
-def _kernel_descriptors(elf: bytes) -> dict[str, tuple[int, int]]:
-    """``<kernel>.kd`` symbol -> (compute_pgm_rsrc3, compute_pgm_rsrc1) of its descriptor."""
+def _symbols(elf: bytes) -> list[tuple[str, int, int, int]]:
+    """(name, st_info, st_value, st_size) of every defined symbol."""
     sections = _sections(elf)
-    out = {}
+    out = []
     for sh_type, offset, size, link, entsize in sections:
         if sh_type != SHT_SYMTAB:
             continue
         strtab = sections[link][1]
         for base in range(offset, offset + size, entsize):
-            st_name, _, _, st_shndx, st_value, _ = struct.unpack_from("<IBBHQQ", elf, base)
+            st_name, info, _, st_shndx, st_value, st_size = struct.unpack_from(
+                "<IBBHQQ", elf, base
+            )
             name = elf[strtab + st_name : elf.index(b"\0", strtab + st_name)].decode()
-            if name.endswith(".kd") and st_shndx < len(sections):
-                # st_value is an address; the descriptor's section maps it to a file offset.
-                file_at = _address_to_offset(elf, st_value)
-                rsrc3, rsrc1 = struct.unpack_from("<II", elf, file_at + 44)
-                out[name] = (rsrc3, rsrc1)
+            if 0 < st_shndx < len(sections):
+                out.append((name, info, st_value, st_size))
+    return out
+
+
+def _kernel_descriptors(elf: bytes) -> dict[str, tuple[int, int]]:
+    """``<kernel>.kd`` symbol -> (compute_pgm_rsrc3, compute_pgm_rsrc1) of its descriptor."""
+    out = {}
+    for name, _, value, _ in _symbols(elf):
+        if name.endswith(".kd"):
+            # st_value is an address; the descriptor's section maps it to a file offset.
+            file_at = _address_to_offset(elf, value)
+            rsrc3, rsrc1 = struct.unpack_from("<II", elf, file_at + 44)
+            out[name] = (rsrc3, rsrc1)
     return out
 
 

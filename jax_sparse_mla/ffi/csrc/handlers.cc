@@ -6,6 +6,7 @@
 // The argument orders and preconditions are those of jax_sparse_mla/kernels/gfx950/*.py.
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <string>
 #include <vector>
@@ -113,6 +114,51 @@ std::string Shape(std::initializer_list<std::string> parts) {
   return s + "]";
 }
 
+// ------------------------------------------------------------------------------------------
+// Launch grids, as the kernel modules' launchers compute them (threads per workgroup from
+// configs.py, all in x). HSA caps a dispatch's grid at 2^32 - 1 work-items (workgroups x
+// threads per workgroup) in each dimension; y and z are at most INT32_MAX workgroups of one
+// work-item each here (the handlers' other limits), so x is the dimension to check.
+// ------------------------------------------------------------------------------------------
+
+constexpr int64_t kGridWorkItemsMax = (int64_t{1} << 32) - 1;
+
+struct Grid {
+  int64_t x, y, z;     // workgroups per dimension
+  int64_t threads;     // per workgroup, along x
+  const char* x_is;    // what x is, for the error message
+};
+
+Grid SparseMlaGrid(int64_t n_q) { return {n_q, 1, 1, kSparseMlaThreads, "n_q"}; }
+
+Grid MlaDecodePartialsGrid(int64_t batch, int64_t heads, int64_t splits, int64_t qlen) {
+  const int64_t head_groups = (heads * qlen + 15) / 16;  // 16 query rows per CTA
+  return {8 * head_groups * ((batch * splits + 7) / 8), 1, 1, kMlaDecodePartialsThreads,
+          "8 * ceil(H * qlen / 16) * ceil(B * S / 8)"};
+}
+
+Grid MlaDecodeCombineGrid(int64_t n, int64_t heads) {
+  return {(n * heads + 3) / 4, 1, 1, kMlaDecodeCombineThreads, "ceil(n * H / 4)"};
+}
+
+Grid UltraquantPartialsGrid(int64_t batch, int64_t hk, int64_t parts) {
+  return {batch, hk, parts, kUltraquantThreads, "B"};
+}
+
+Grid UltraquantReduceGrid(int64_t batch, int64_t hq) {
+  return {batch, hq, 1, kUltraquantThreads, "B"};
+}
+
+Error CheckGrid(const char* target, const Grid& g) {
+  const int64_t items = g.x * g.threads;
+  if (items <= kGridWorkItemsMax) return Error::Success();
+  return Error::InvalidArgument(
+      std::string(target) + ": the grid's x dimension, " + g.x_is + " = " + std::to_string(g.x) +
+      " workgroups of " + std::to_string(g.threads) + " threads = " + std::to_string(items) +
+      " work-items, exceeds the HSA limit of 2^32 - 1 = " + std::to_string(kGridWorkItemsMax) +
+      " work-items per grid dimension");
+}
+
 #define JSM_CHECK(expr)                       \
   do {                                        \
     if (Error e = (expr); e.failure()) return e; \
@@ -153,6 +199,7 @@ Error SparseMla(void* stream, int32_t device, AnyBuffer q, AnyBuffer kv, AnyBuff
   JSM_CHECK(Limit(T, "n_q", n_q, kInt32Max));
   JSM_CHECK(Limit(T, "nnz", nnz, (int64_t{1} << 30) - 1));  // a row holds < 2^30 entries
   JSM_CHECK(Limit(T, "q elements per row", heads * kKvDim, kInt32Max));
+  JSM_CHECK(CheckGrid(T, SparseMlaGrid(n_q)));
   const int64_t kv_rows = std::min(kv.dimensions()[0], kInt32Max);  // idx cannot reach further
   for (int64_t h0 = 0; h0 < heads && n_q > 0; h0 += kSparseMaxHeads) {
     const int64_t group = std::min(kSparseMaxHeads, heads - h0);
@@ -207,9 +254,9 @@ Error MlaDecodePartials(void* stream, int32_t device, AnyBuffer q, AnyBuffer kv,
                    Shape({r, std::to_string(splits), std::to_string(heads)})));
   const int64_t n_indices = kv_indices.dimensions()[0];
   JSM_CHECK(Limit(T, "kv_indices length", n_indices, (int64_t{1} << 29) - 1));
-  const int64_t head_groups = (heads * qlen + 15) / 16;  // 16 query rows per CTA
-  JSM_CHECK(Limit(T, "the grid (8 * head groups * ceil(B * S / 8) CTAs)",
-                  8 * head_groups * ((batch * splits + 7) / 8), kInt32Max));
+  const Grid grid = MlaDecodePartialsGrid(batch, heads, splits, qlen);
+  JSM_CHECK(Limit(T, "the grid (8 * head groups * ceil(B * S / 8) CTAs)", grid.x, kInt32Max));
+  JSM_CHECK(CheckGrid(T, grid));
   if (batch == 0 || heads == 0 || splits == 0) return Error::Success();
   LaunchArgs args;
   args.Tensor("Q", q.untyped_data(), q.element_count())
@@ -238,6 +285,7 @@ Error MlaDecodeCombine(void* stream, int32_t device, AnyBuffer o_parts, AnyBuffe
   JSM_CHECK(Expect(T, "out", *out, DataType::BF16, {n, heads, kLatentDim}, Shape({sn, sh, "512"})));
   JSM_CHECK(Expect(T, "lse", *lse, DataType::F32, {n, heads}, Shape({sn, sh})));
   JSM_CHECK(Limit(T, "n * H", n * heads, kInt32Max - 3));
+  JSM_CHECK(CheckGrid(T, MlaDecodeCombineGrid(n, heads)));
   if (n == 0 || heads == 0) return Error::Success();
   if (splits == 0) {
     return Error::InvalidArgument(std::string(T) + ": o_parts needs at least one split (S >= 1)");
@@ -299,6 +347,7 @@ Error UltraquantPartials(void* stream, int32_t device, AnyBuffer q, AnyBuffer ca
   JSM_CHECK(Limit(T, "max_blocks * block_size", max_blocks * block_size, kInt32Max));
   JSM_CHECK(Limit(T, "B * Hq * P", batch * hq * parts, kInt32Max));
   JSM_CHECK(Limit(T, "num_blocks", num_blocks, kInt32Max));
+  JSM_CHECK(CheckGrid(T, UltraquantPartialsGrid(batch, hk, parts)));
   if (batch == 0 || parts == 0) return Error::Success();
   LaunchArgs args;
   args.Tensor("out_parts", out_parts->untyped_data(), out_parts->element_count())
@@ -332,6 +381,7 @@ Error UltraquantReduce(void* stream, int32_t device, AnyBuffer out_parts, AnyBuf
   JSM_CHECK(Expect(T, "out", *out, DataType::BF16, {batch, hk * g, kUqHeadDim},
                    Shape({sb, std::to_string(hk * g), "256"})));
   JSM_CHECK(Limit(T, "B * Hq * P", batch * hk * g * parts, kInt32Max));
+  JSM_CHECK(CheckGrid(T, UltraquantReduceGrid(batch, hk * g)));
   if (batch == 0 || hk == 0 || g == 0) return Error::Success();
   if (parts == 0) {
     return Error::InvalidArgument(std::string(T) + ": needs at least one partition (P >= 1)");
@@ -391,6 +441,31 @@ Error DsReadTrProbe(void* stream, int32_t device, AnyBuffer lds, AnyBuffer addrs
 
 }  // namespace
 }  // namespace jsm
+
+#ifdef JSM_RECORDING
+// For the CPU tests: `target`'s launch grid (x, y, z workgroups, threads per workgroup) for
+// its quantities `q` and the handler's grid check (no handler call reaches the HSA limit with
+// less than 8 GiB of buffers). q: jsm_sparse_mla {n_q}; jsm_mla_decode_partials {B, H, S, qlen};
+// jsm_mla_decode_combine {n, H}; jsm_ultraquant_partials {B, Hk, P}; jsm_ultraquant_reduce
+// {B, Hq}. Writes the check's message (empty when it passes) to `message`; returns -1 for an
+// unknown target, else 0.
+extern "C" __attribute__((visibility("default"))) int jsm_record_grid(
+    const char* target, const int64_t* q, int64_t* grid, char* message, size_t capacity) {
+  const std::string t(target);
+  jsm::Grid g;
+  if (t == "jsm_sparse_mla") g = jsm::SparseMlaGrid(q[0]);
+  else if (t == "jsm_mla_decode_partials") g = jsm::MlaDecodePartialsGrid(q[0], q[1], q[2], q[3]);
+  else if (t == "jsm_mla_decode_combine") g = jsm::MlaDecodeCombineGrid(q[0], q[1]);
+  else if (t == "jsm_ultraquant_partials") g = jsm::UltraquantPartialsGrid(q[0], q[1], q[2]);
+  else if (t == "jsm_ultraquant_reduce") g = jsm::UltraquantReduceGrid(q[0], q[1]);
+  else return -1;
+  grid[0] = g.x, grid[1] = g.y, grid[2] = g.z, grid[3] = g.threads;
+  const ffi::Error e = jsm::CheckGrid(target, g);
+  const std::string text = e.failure() ? e.message() : "";
+  std::snprintf(message, capacity, "%s", text.c_str());
+  return 0;
+}
+#endif
 
 // ------------------------------------------------------------------------------------------
 // The exported handler symbols (registered from Python for platform "ROCM", or "cpu" for the

@@ -1,10 +1,11 @@
 """Code-generation primitives shared by the gfx950 FlyDSL kernels (trace-time Python).
 
 Each helper emits a fixed, short sequence of MLIR ops (no control flow) for the kernels in
-this package: value conversions, 64-bit global / 32-bit LDS addressing, raw buffer
-descriptors, cross-lane reductions over the 4 lane groups of a wave, hardware exp2 / log2,
-e4m3 packing and the scaled 16x16x128 MFMA. Like the kernels, it imports flydsl at module top
-and is only imported by the ahead-of-time build.
+this package: value conversions, synchronization points (LDS barriers, compiler fences),
+64-bit global / 32-bit LDS addressing, raw buffer descriptors, cross-lane reductions over the
+4 lane groups of a wave, hardware exp2 / log2, e4m3 packing and the scaled 16x16x128 MFMA.
+Like the kernels, it imports flydsl at module top and is only imported by the ahead-of-time
+build.
 """
 
 import math
@@ -69,6 +70,61 @@ def pin(value: _V) -> _V:
     raw = as_ir(value)
     out = llvm.inline_asm(raw.type, [raw], "", "=v,0", has_side_effects=True)
     return Vec(out) if isinstance(value, Vec) else type(value)(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Synchronization
+# ---------------------------------------------------------------------------------------------
+
+
+def compiler_fence() -> None:
+    """No load or store moves across this point, neither in LLVM IR nor in machine code; it
+    emits no instruction and no wait.
+
+    An empty ``asm sideeffect "", "~{memory}"``: IR passes see a call that may read and write
+    any memory, the backend an ``INLINEASM`` that may load and store. The calls of
+    ``llvm.amdgcn.s.barrier``, ``.s.waitcnt`` and ``.sched.barrier`` are such points today, but
+    only through how they are declared: ``IntrinsicsAMDGPU.td`` marks them ``IntrNoMem`` and
+    ``IntrHasSideEffects``, and LLVM's intrinsic emitter turns that pair into unknown memory
+    effects (``getEffectiveME``, with a TODO to refine it). FlyDSL 0.5's LLVM declares them
+    without ``memory(none)``, and a bare ``s_barrier`` between an LDS store and a load of the
+    same word keeps the load. This fence states the ordering instead of relying on that.
+    """
+    llvm.inline_asm(None, [], "", "~{memory}", has_side_effects=True)
+
+
+def lds_barrier(vm: bool = False) -> None:
+    """``s_barrier`` that separates LDS writes from LDS reads of other waves, without a fence.
+
+    Emits ``s_waitcnt lgkmcnt(0)`` (with ``vmcnt(0)`` when ``vm``: the wave's loads and
+    ``global_load_lds`` DMA have landed), then ``s_barrier`` between ``compiler_fence`` and
+    ``sched_barrier(0)`` on both sides: no LDS access moves across it and nothing else waits.
+
+    Why not a workgroup-scope fence pair (``fence syncscope("workgroup") release`` /
+    ``acquire`` around ``s_barrier``: what ``gpu.barrier`` and ``__syncthreads`` lower to). In
+    the LLVM AMDGPU memory model for GFX942 / GFX950 outside tgsplit mode (``AMDGPUUsage``,
+    memory model GFX942; ``SIMemoryLegalizer``), the workgroup release is ``s_waitcnt
+    lgkmcnt(0)`` only (no ``vmcnt``: a workgroup's waves share one CU, whose L1 keeps their
+    memory operations in order; a CU performs its LDS operations in one global order) and the
+    acquire emits nothing (``buffer_inv sc0`` in tgsplit mode only).
+    But a release that covers LDS must also wait for the LDS write of every LDS DMA in flight
+    (``llvm/test/CodeGen/AMDGPU/lds-dma-workgroup-release.ll``: gfx942 puts ``s_waitcnt
+    vmcnt(0) lgkmcnt(0)`` before ``s_barrier`` after a ``buffer_load ... lds``, alias scopes
+    notwithstanding), whatever the barrier is for. Measured with FlyDSL 0.5's LLVM on the
+    mla_decode partials: the fence pair, the pair restricted to LDS (MMRA
+    ``amdgpu-synchronize-as: local``) and ``gpu.barrier`` with ``memfence
+    [#gpu.address_space<workgroup>]`` each put ``s_waitcnt vmcnt(1) lgkmcnt(0)`` before the
+    row-maxima barrier: the next block's nine DMA drained mid-block. So the hardware part of a
+    workgroup LDS release (``lgkmcnt(0)``) is explicit here and the compiler part (no motion of
+    LDS accesses) is ``compiler_fence``. Use a fence (``gpu.barrier``) where no DMA is in flight
+    (it costs the same ``lgkmcnt(0)`` there). ``tests/test_isa.py`` checks the emitted waits.
+    """
+    rocdl.s_waitcnt(lgkmcnt=0, vmcnt=0 if vm else None)
+    compiler_fence()
+    rocdl.sched_barrier(0)
+    rocdl.s_barrier()
+    rocdl.sched_barrier(0)
+    compiler_fence()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ FlyDSL-free (standard library only), so that everything that must agree on what 
 reads it: the kernel modules' ``CONFIGS`` (the build), the Python checks of
 ``implementation="flydsl"`` (``ffi/calls.py``), the C++ handlers (``_build/build_lib.py`` writes
 ``jsm_configs.h`` from ``cpp_header()`` into every library build) and the wheel check of CI.
-Each kernel's own parameters (tile sizes, LDS layout, occupancy) stay in its module.
+Each kernel's own parameters (tile sizes, LDS layout, occupancy) stay in its module, but for
+the threads per workgroup, which the handlers' grid checks need too.
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ ULTRAQUANT_GROUP_SIZES = (6, 8, 16)  # query heads per KV head (GQA group size G
 ULTRAQUANT_BLOCK_SIZES = (16, 32, 64, 128, 256)  # tokens per cache block
 PROBE_A_FORMATS = (0, 4)  # the scaled MFMA's cbsz: 0 = e4m3, 4 = e2m1
 PROBE_READ_BITS = (8, 16)  # ds_read_b64_tr_b8 / _b16
+
+# Threads per workgroup (all in x) of each launch: the kernel modules' block sizes, and the
+# handlers' grid checks (HSA: workgroups x threads <= 2^32 - 1 work-items per grid dimension).
+SPARSE_MLA_THREADS = 256  # 4 waves
+MLA_DECODE_PARTIALS_THREADS = 512  # 8 waves
+MLA_DECODE_COMBINE_THREADS = 256  # 4 waves, one merged row each
+ULTRAQUANT_THREADS = 64  # one wave: the decode partials and the reduce
 
 
 def symbols() -> dict[str, tuple[str, ...]]:
@@ -85,7 +93,8 @@ def user_symbols() -> tuple[str, ...]:
 
 
 def cpp_header() -> str:
-    """``jsm_configs.h``: the sets above as C++ constants and membership tests."""
+    """``jsm_configs.h``: the sets above as C++ constants and membership tests, and the
+    threads per workgroup."""
 
     def member(name: str, values: tuple[int, ...]) -> list[str]:
         test = " || ".join(f"v == {v}" for v in values)
@@ -102,6 +111,10 @@ def cpp_header() -> str:
             "#include <cstdint>",
             "namespace jsm {",
             f"constexpr int64_t kSparseMaxHeads = {SPARSE_MLA_MAX_HEADS};",
+            f"constexpr int64_t kSparseMlaThreads = {SPARSE_MLA_THREADS};",
+            f"constexpr int64_t kMlaDecodePartialsThreads = {MLA_DECODE_PARTIALS_THREADS};",
+            f"constexpr int64_t kMlaDecodeCombineThreads = {MLA_DECODE_COMBINE_THREADS};",
+            f"constexpr int64_t kUltraquantThreads = {ULTRAQUANT_THREADS};",
             *member("KernelQlen", MLA_DECODE_QLENS),
             *member("KernelGroupSize", ULTRAQUANT_GROUP_SIZES),
             *member("KernelBlockSize", ULTRAQUANT_BLOCK_SIZES),

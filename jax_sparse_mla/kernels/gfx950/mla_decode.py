@@ -56,11 +56,16 @@ LDS (bytes, static, 152576 in all, so one CTA per CU): two K slots ``[128 keys][
 [16 rows][144 B]`` (keys at bytes 0..127) at 147456, row maxima / final l ``[16 rows][8 waves]``
 f32 at 152064. Design occupancy: 2 waves per SIMD (8 waves per CU; ``waves_per_eu`` 2).
 
-Synchronization: three bare ``s_barrier`` per block (top: this block's DMA landed, after the
-row maxima, after P) with explicit waits; the DMA's LDS writes carry their own alias scope, so
-the compiler does not wait for the next block's DMA before this block's LDS accesses. The CTAs
-of one (split, request) run on one XCD (block ids ``8 k + x`` go to XCD ``x``: round-robin
-dispatch assumed), so a split's K rows come from HBM once per XCD L2.
+Synchronization: three ``s_barrier`` per block (top: this block's DMA landed, after the row
+maxima, after P), each ``lds_barrier`` (``_primitives``): an explicit ``s_waitcnt lgkmcnt(0)``
+(plus ``vmcnt(0)`` at the top and in the epilogue), and compiler fences that keep every LDS
+access on its side. Not a workgroup fence: its release would also drain the next block's DMA,
+in flight across the row-maxima and P barriers (``lds_barrier`` says why, with the evidence).
+The DMA's LDS writes carry their own alias scope, so the compiler does not wait for the next
+block's DMA before this block's LDS accesses either. ``tests/test_isa.py`` checks the waits in
+the ISA: ``lgkmcnt(0)`` before every ``s_barrier``, no ``vmcnt`` wait at the two mid-block
+ones. The CTAs of one (split, request) run on one XCD (block ids ``8 k + x`` go to XCD ``x``:
+round-robin dispatch assumed), so a split's K rows come from HBM once per XCD L2.
 
 Relative to the reference design it started from (a gfx950 MLA decode kernel outside this
 repository): no warp specialization (WSPEC: every wave does the QK of its 16 keys and
@@ -113,6 +118,7 @@ from jax_sparse_mla.kernels.gfx950._primitives import (
     bf16_pair,
     buffer_rsrc,
     cat,
+    compiler_fence,
     exp2,
     f32,
     fmax,
@@ -120,6 +126,7 @@ from jax_sparse_mla.kernels.gfx950._primitives import (
     group_max,
     group_sum,
     i32,
+    lds_barrier,
     lds_ptr,
     load_global,
     load_lds,
@@ -132,14 +139,18 @@ from jax_sparse_mla.kernels.gfx950._primitives import (
     store_lds,
     uniform,
 )
+from jax_sparse_mla.kernels.gfx950.configs import (
+    MLA_DECODE_COMBINE_THREADS,
+    MLA_DECODE_PARTIALS_THREADS,
+)
 from jax_sparse_mla.kernels.gfx950.configs import MLA_DECODE_QLENS as QLENS
 
 KV_DIM = 576  # K = all 576 codes of a row; V = its first 512
 LATENT = 512
 BLOCK = 128  # keys per block
 ROWS = 16  # query rows per CTA
-WAVES = 8
-THREADS = 64 * WAVES
+THREADS = MLA_DECODE_PARTIALS_THREADS
+WAVES = THREADS // 64  # 8
 TILE = BLOCK // WAVES  # keys per wave per block
 QK_STEPS = KV_DIM // 64  # MFMAs per tile: each pairs 64 dims with q's hi and lo
 LAT_TILES = LATENT // WAVES // 16  # 16-latent output tiles per wave
@@ -158,7 +169,7 @@ E8M0_ONE = 127
 Q_SCALE_MIN = 6  # smallest hi E8M0 byte (the lo one, s - 5, stays >= 1)
 LO_SHIFT = 5  # lo = e4m3(residual * 2^5) (split_fp8), E8M0 scale of the lo operand: byte - 5
 PARTIALS_WAVES_PER_EU = 2
-COMBINE_WAVES = 4
+COMBINE_WAVES = MLA_DECODE_COMBINE_THREADS // 64  # 4: one merged row per wave
 COMBINE_WAVES_PER_EU = 8
 
 
@@ -207,19 +218,6 @@ def _load_lds(addr, words: int, elem: ir.Type | None = None) -> Vec:
 def _store_lds(addr, value, align: int) -> None:
     """``store_lds`` outside the DMA's alias scope (``_dma_scope``)."""
     store_lds(addr, value, align, noalias_scopes=_dma_scope())
-
-
-def _barrier(lgkm: bool = False, vm: bool = False) -> None:
-    """s_barrier after waiting for this wave's LDS ops (``lgkm``) and loads / DMA (``vm``).
-
-    A bare barrier (no memory fence: a fence would also wait for the next block's DMA, which
-    is meant to fly across the whole block); the waits that make data visible are explicit.
-    """
-    if lgkm or vm:
-        rocdl.s_waitcnt(lgkmcnt=0 if lgkm else None, vmcnt=0 if vm else None)
-    rocdl.sched_barrier(0)
-    rocdl.s_barrier()
-    rocdl.sched_barrier(0)
 
 
 def _q_operands(q_lane, row_ok, g) -> tuple:
@@ -464,7 +462,7 @@ def build_partials_launcher(qlen: int):
             zero4 = Vec.filled(4, 0, fx.Int32)
             for i in range_constexpr(2 * SLOT_BYTES // (16 * THREADS)):
                 _store_lds(lds0 + (i * THREADS + tid) * 16, zero4, 16)
-            _barrier(lgkm=True)
+            lds_barrier()
             key_cur = check_index(load_index(0), 0)
             dma(key_cur, 0)
             raw_next = load_index(1)
@@ -477,7 +475,7 @@ def build_partials_launcher(qlen: int):
                 slot = lds0 + (blk & 1) * SLOT_BYTES
                 # Block blk's K rows (own DMA) and the next indices have landed; every wave's
                 # DMA is visible and every wave is done with the other slot.
-                _barrier(vm=True)
+                lds_barrier(vm=True)
                 key_next = check_index(raw_next, blk + 1)
                 dma(key_next, blk + 1)
                 raw_next = load_index(blk + 2)
@@ -498,7 +496,7 @@ def build_partials_launcher(qlen: int):
                     sl.append(vis.select(f32(acc[r]) * c2, fx.Float32(NEG_BIG)))
                 tmax = fmax(fmax(sl[0], sl[1]), fmax(sl[2], sl[3]))
                 _store_lds(mx_wr, group_max(tmax), 4)
-                _barrier(lgkm=True)
+                lds_barrier()
 
                 # ---- online softmax over the block's maxima of all waves
                 mx = [_load_lds(mx_rd + 16 * k, 4, T.f32) for k in range(2)]
@@ -517,13 +515,16 @@ def build_partials_launcher(qlen: int):
                 p_hi, p_lo = split_fp8(pl)
                 _store_lds(p_wr, p_hi, 4)
                 _store_lds(p_wr + P_LO, p_lo, 4)
-                _barrier(lgkm=True)
+                lds_barrier()
 
                 # ---- causal boundary keys seq_len - qlen + 1 + u in the block: NaN V zeroed
                 for u in range_constexpr(qlen - 1):
                     kk = seq_len - (qlen - 1) + u - (lo + blk * BLOCK)
                     if (kk >= 0) & (kk < BLOCK):
                         _zero_nan_v(slot, kk, w, g)
+                # the zeroed bytes are read by other lanes of this wave: LDS keeps a wave's
+                # operations in order, the compiler must too
+                compiler_fence()
                 rocdl.sched_barrier(0)
 
                 # ---- O^T += V^T P^T over the block; lane group g: keys 32g + [0, 32)
@@ -540,7 +541,7 @@ def build_partials_launcher(qlen: int):
 
             # ---- epilogue: l over the waves, o = O v_scale / l, lse
             _store_lds(mx_wr, group_sum(l_run), 4)
-            _barrier(lgkm=True, vm=True)
+            lds_barrier(vm=True)
             lv = [_load_lds(mx_rd + 16 * k, 4, T.f32) for k in range(2)]
             l_tot = f32(lv[0][0])
             for k in range_constexpr(1, WAVES):

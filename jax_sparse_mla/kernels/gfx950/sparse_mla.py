@@ -130,12 +130,16 @@ from jax_sparse_mla.kernels.gfx950._primitives import (
     store_lds,
     uniform,
 )
-from jax_sparse_mla.kernels.gfx950.configs import SPARSE_MLA_HEADS, SPARSE_MLA_RETURN_LSE
+from jax_sparse_mla.kernels.gfx950.configs import (
+    SPARSE_MLA_HEADS,
+    SPARSE_MLA_RETURN_LSE,
+    SPARSE_MLA_THREADS,
+)
 from jax_sparse_mla.kernels.gfx950.configs import SPARSE_MLA_MAX_HEADS as MAX_HEADS
 
 RECORD_BYTES = 656
 TILE = 128  # tokens per tile
-THREADS = 256  # 4 waves of 64
+THREADS = SPARSE_MLA_THREADS  # 4 waves of 64
 SCALE_OFF = 512  # record byte offsets
 ROPE_OFF = 528
 Q_DIM = 576
@@ -575,8 +579,12 @@ def build_launcher(config: Config):
             tb = fx.Int32(tile) * TILE
 
             # This tile's latent (own DMA), its side words and the next tile's entries have
-            # landed; every wave's DMA is visible.
-            rocdl.s_waitcnt(vmcnt=0)
+            # landed; every wave's DMA is visible. gpu.barrier is a workgroup fence pair around
+            # s_barrier (no LDS access moves across it; its release waits lgkmcnt(0), and for
+            # the DMA, drained here anyway: no DMA is in flight at any barrier of this kernel).
+            # lgkmcnt(0) is explicit as at the other barriers (nothing is outstanding here, so
+            # the compiler would otherwise drop the fence's wait).
+            rocdl.s_waitcnt(vmcnt=0, lgkmcnt=0)
             gpu.barrier()
             keys_q_next = keys(raw_q_next, qk_pos(tb + TILE))
             keys_d_next = keys(raw_d_next, dma_pos(tb + TILE))

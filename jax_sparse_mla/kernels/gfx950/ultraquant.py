@@ -139,6 +139,7 @@ from jax_sparse_mla.kernels.gfx950._primitives import (
     as_ir,
     bf16_pair,
     buffer_rsrc,
+    compiler_fence,
     exp2,
     fp8x4,
     mfma_scaled,
@@ -146,9 +147,11 @@ from jax_sparse_mla.kernels.gfx950._primitives import (
 )
 from jax_sparse_mla.kernels.gfx950.configs import ULTRAQUANT_BLOCK_SIZES as BLOCK_SIZES
 from jax_sparse_mla.kernels.gfx950.configs import ULTRAQUANT_GROUP_SIZES as GROUP_SIZES
+from jax_sparse_mla.kernels.gfx950.configs import ULTRAQUANT_THREADS
 
 HEAD_DIM = 256
 WAVE = 64
+THREADS = ULTRAQUANT_THREADS  # per workgroup: one wave (both kernels assume it)
 TILE = 16  # tokens per QK / PV MFMA step
 TILE_GROUP = 128  # KV_COMPUTE_BLOCK: tokens per partition work item
 N_TILES = TILE_GROUP // TILE
@@ -233,11 +236,15 @@ def _lds_store(base: ir.Value, offset, value, align: int) -> None:
 
 
 def _lds_fence() -> None:
-    """Keep the compiler from moving LDS accesses across this point and wait for the wave's
-    outstanding LDS operations (cross-lane exchange through LDS)."""
+    """Keep the compiler from moving LDS accesses across this point (``compiler_fence``, which
+    does not rely on how the ``sched_barrier`` / ``s_waitcnt`` intrinsics are declared) and wait
+    for the wave's outstanding LDS operations (cross-lane exchange through LDS; one wave per
+    workgroup, so no ``s_barrier``)."""
+    compiler_fence()
     rocdl.sched_barrier(0)
     rocdl.s_waitcnt(lgkmcnt=0)
     rocdl.sched_barrier(0)
+    compiler_fence()
 
 
 def _words(vec, n: int) -> list:
@@ -543,7 +550,7 @@ def _build_decode(group_size: int, block_size: int):
     """The decode kernel and its launch function for one (G, block size)."""
     assert group_size in GROUP_SIZES and block_size in BLOCK_SIZES
 
-    @flyc.kernel(known_block_size=(WAVE, 1, 1))
+    @flyc.kernel(known_block_size=(THREADS, 1, 1))
     def ultraquant_decode_kernel(
         out_parts: fx.Tensor,
         max_logits: fx.Tensor,
@@ -637,6 +644,9 @@ def _build_decode(group_size: int, block_size: int):
                 run_max = new_max
                 alpha4 = fx.Vector.from_elements([alpha] * 4, dtype=fx.Float32)
                 acc_pv = [a * alpha4 for a in acc_pv]
+                # overwrites the V tile the previous tile's PV read (other lanes): a wave's LDS
+                # operations run in order, and the compiler may not reorder them either
+                compiler_fence()
                 _stage_v(lds, v_words, v_scale, v_token, v_chunk)
                 _lds_fence()
                 p_op = fx.Vector.from_elements(probs, dtype=fx.Float32).to(fx.BFloat16)
@@ -702,7 +712,9 @@ def _build_decode(group_size: int, block_size: int):
             stride_q_head,
             sm_scale,
             value_attrs=_occupancy_attrs(DECODE_WAVES_PER_SIMD),
-        ).launch(grid=(num_seqs, num_kv_heads, num_partitions), block=(WAVE, 1, 1), stream=stream)
+        ).launch(
+            grid=(num_seqs, num_kv_heads, num_partitions), block=(THREADS, 1, 1), stream=stream
+        )
 
     return launch
 
@@ -715,7 +727,7 @@ def _build_decode(group_size: int, block_size: int):
 def _build_reduce():
     """The partition reduce kernel and its launch function."""
 
-    @flyc.kernel(known_block_size=(WAVE, 1, 1))
+    @flyc.kernel(known_block_size=(THREADS, 1, 1))
     def ultraquant_reduce_kernel(
         out: fx.Tensor,
         out_parts: fx.Tensor,
@@ -788,7 +800,7 @@ def _build_reduce():
             num_partitions,
             value_attrs=_occupancy_attrs(MAX_WAVES_PER_SIMD),
         ).launch(
-            grid=(num_seqs, num_kv_heads * query_group_size), block=(WAVE, 1, 1), stream=stream
+            grid=(num_seqs, num_kv_heads * query_group_size), block=(THREADS, 1, 1), stream=stream
         )
 
     return launch
