@@ -32,8 +32,8 @@ def recording_library(directory: Path) -> Path:
 
 
 def register_for_cpu(path: str):
-    """(In the subprocess) loads the recording library, registers its handlers for the CPU and
-    returns ``take()``: the launches logged since the last call, as a list of events."""
+    """(In the subprocess) loads the recording library and registers its handlers for the CPU;
+    returns the library and ``take()``: the launches logged since the last call, as events."""
     from jax_sparse_mla.ffi import register_targets
 
     lib = ctypes.CDLL(path)
@@ -46,4 +46,4 @@ def register_for_cpu(path: str):
         lib.jsm_record_take(buf, len(buf))
         return json.loads(buf.value.decode())
 
-    return take
+    return lib, take

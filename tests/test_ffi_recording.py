@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from tests.cpu_subprocess import child_env
+from tests.recording import recording_library, register_for_cpu
 
 RECORDING_STREAM = 0x5157  # the stand-in stream of the recording build (handlers.cc)
 BIG_RECORDS = 6_600_000  # 4.33 GB of fp8_ds_mla records: byte offsets past 2^32
@@ -221,18 +222,7 @@ def run_driver(library: str) -> dict:
     (the second run's events show whether code objects load again) and every bad call."""
     import jax
 
-    from jax_sparse_mla.ffi import register_targets
-
-    lib = ctypes.CDLL(library)
-    register_targets(lib, "cpu")
-
-    def take():
-        size = lib.jsm_record_take(None, 0)
-        buf = ctypes.create_string_buffer(size + 4096)
-        lib.jsm_record_take(buf, len(buf))
-        return json.loads(buf.value.decode())
-
-    lib.jsm_record_take.restype = ctypes.c_size_t
+    lib, take = register_for_cpu(library)
     result = {}
     for name, make in scenarios().items():
         fn, args = make()
@@ -269,19 +259,7 @@ def run_driver(library: str) -> dict:
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    from jax_sparse_mla._build import build_lib
-
-    kernel_dir = build_lib.DEFAULT_KERNEL_DIR
-    if not (kernel_dir / "manifest.json").exists():
-        pytest.skip(
-            f"no kernel build at {kernel_dir}: python -m jax_sparse_mla.build --arch gfx950"
-        )
-    try:
-        build_lib.compiler()
-    except RuntimeError as e:
-        pytest.skip(str(e))
-    library = tmp_path_factory.mktemp("ffi") / "recording.so"
-    build_lib.build_library(library, kernel_dir, recording=True)
+    library = recording_library(tmp_path_factory.mktemp("ffi"))
     proc = subprocess.run(
         [sys.executable, __file__, str(library)],
         capture_output=True,

@@ -29,7 +29,7 @@ def run_driver(library: str) -> list[dict]:
     """The subprocess: every case of the plan with "flydsl", its launches recorded."""
     import jax
 
-    take = register_for_cpu(library)
+    _, take = register_for_cpu(library)
     result = []
     for symbol, cases in self_check.PLAN.items():
         for case in cases:
