@@ -3,6 +3,8 @@
 The expected values are worked out here from the formats (docs/formats.md) and the kernels'
 documented grids, not read from the model's constants."""
 
+from pathlib import Path
+
 import pytest
 
 from jax_sparse_mla._build import build
@@ -113,6 +115,14 @@ def test_report_prints_the_model_section(capsys):
     assert build.report({"arch": "gfx950", "kernels": [entry]}) == 0
     out = capsys.readouterr().out
     assert "MI355X model (256 CUs" in out
-    assert "jsm_sparse_mla_h16_l1                256  76160          2     2  vgpr" in out
-    assert "n_q=1 H=128 topk=2048" in out and "bytes 8x min; fill 1/32 WGs" in out
+    assert "jsm_sparse_mla_h16_l1 256 76160 2 2 vgpr" in " ".join(out.split())
+    assert "| sparse_mla | n_q=1 H=128 topk=2048 | 8 | 1 | 32 | 1 | 10.75 | 1.34 | 8.00 |" in out
+    assert "| bytes 8x min; fill 1/32 WGs |" in out
     assert f"of {len(model.DECODE_SHAPES)} decode shapes miss a target" in out
+
+
+def test_docs_hold_the_models_rows():
+    """docs/mi355.md's tables are the model's rows: change the model, regenerate them."""
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "mi355.md").read_text()
+    for line in model.shape_lines() + model.shape_lines(model.PEER_SHAPES):
+        assert line in docs, line

@@ -303,6 +303,9 @@ DECODE_SHAPES: tuple = (
     *(MlaDecode(b, ctx, h) for h in (16, 128) for ctx in (8192, 32768) for b in BATCHES),
     *(UltraQuant(b, 32768, 8, 8) for b in BATCHES),
 )
+# The shapes of the published MI355X / MI350 figures (docs/mi355.md): sparse decode of 1 and 48
+# tokens at 16 heads, top-k 2048; dense fp8 MLA decode, batch 1, 16 heads, 10M keys.
+PEER_SHAPES: tuple = (SparseMla(1, 16), SparseMla(48, 16), MlaDecode(1, 10_000_000, 16))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,23 +330,33 @@ def configuration_lines(manifest: dict) -> list[str]:
 
 
 def shape_lines(shapes=DECODE_SHAPES, cus: int = MI355X_CUS) -> list[str]:
-    """One line per shape: launches x workgroups against the CUs, records requested against
-    the minimum, all bytes, the HBM-only times, and the targets missed."""
-    head = (
-        f"{'op':17} {'shape':30} {'launch':>6} {'WGs':>5} {'target':>6} {'splits':>6} "
-        f"{'rec MB':>8} {'min MB':>8} {'ratio':>5} {'all MB':>8} {'HBM us':>7} {'min us':>7}"
-        "  misses"
-    )
-    lines = [head, "-" * len(head)]
+    """A markdown table, one row per shape: launches x workgroups against the target, records
+    requested against the minimum, all bytes, the HBM-only times and the targets missed
+    (docs/mi355.md holds these rows)."""
+    lines = [
+        "| op | shape | launches | WGs | target | splits | records MB | min MB | ratio | "
+        "all MB | HBM us | min us | misses |",
+        "| --- | --- |" + " ---: |" * 10 + " --- |",
+    ]
     for shape in shapes:
         e = estimate(shape, cus)
         total = e.record_bytes + e.other_bytes
-        lines.append(
-            f"{e.op:17} {e.shape:30} {e.launches:6} {e.workgroups:5} {e.fill_target:6} "
-            f"{e.splits:6} {e.record_bytes / 1e6:8.2f} {e.min_record_bytes / 1e6:8.2f} "
-            f"{e.bytes_ratio:5.2f} {total / 1e6:8.2f} {e.hbm_s * 1e6:7.2f} "
-            f"{e.min_hbm_s * 1e6:7.2f}  {'; '.join(e.misses()) or 'meets both'}"
+        cells = (
+            e.op,
+            e.shape,
+            e.launches,
+            e.workgroups,
+            e.fill_target,
+            e.splits,
+            f"{e.record_bytes / 1e6:.2f}",
+            f"{e.min_record_bytes / 1e6:.2f}",
+            f"{e.bytes_ratio:.2f}",
+            f"{total / 1e6:.2f}",
+            f"{e.hbm_s * 1e6:.2f}",
+            f"{e.min_hbm_s * 1e6:.2f}",
+            "; ".join(e.misses()) or "meets both",
         )
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     return lines
 
 
