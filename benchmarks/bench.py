@@ -602,6 +602,14 @@ class FlashMLA:
     def version(self) -> str:
         return str(getattr(self.mla, "__version__", "?"))
 
+    def unsupported(self, case: Case) -> str | None:
+        """Why FlashMLA has no kernel for ``case``, or None."""
+        return None if case.flashmla is not None else f"no FlashMLA kernel for {case.op}"
+
+    def prepare_case(self, case: Case):
+        data = case.flashmla
+        return self.prepare(data["q"], data["kv"], data["topk_idx"], data["sm_scale"])
+
     def prepare(self, q, kv, topk_idx, sm_scale: float):
         """(launch, sync, outputs(result) -> (out [n_q, H, 512], lse [n_q, H]), note)."""
         torch = self.torch
@@ -693,7 +701,7 @@ class Aiter:
             return "aiter's gluon MLA decode is wired for qlen 1 only"
         return None
 
-    def prepare(self, case: Case):
+    def prepare_case(self, case: Case):
         """(launch, sync, outputs(result) -> (out [B, H, 512], lse [B, H]), note) of aiter's
         gluon MLA decode on an ``mla_decode`` case (qlen 1)."""
         torch = self.torch
@@ -1038,46 +1046,35 @@ def bench_case(case: Case, impls: list[str], ctx: dict) -> list[dict]:
             row = error_row(case, impl, "jax_sparse_mla", e)
         rows.append(row)
         print(markdown_row(row), flush=True)
-    for name, peer, prepare in peer_calls(case, ctx):
-        row = bench_peer(case, reference, ctx, name, peer, prepare)
+    for name, peer in peer_calls(case, ctx):
+        row = bench_peer(case, reference, ctx, name, peer)
         rows.append(row)
         print(markdown_row(row), flush=True)
     return rows
 
 
-def peer_calls(case: Case, ctx: dict) -> list[tuple[str, object, Callable]]:
-    """(name, peer, prepare()) of each peer that runs ``case``; why each other peer does not
-    goes to ``ctx["absent"][(op, case name)][peer]`` (the side-by-side table's "absent")."""
-    fm, ai = ctx["flashmla"], ctx.get("aiter")
+def peer_calls(case: Case, ctx: dict) -> list[tuple[str, FlashMLA | Aiter]]:
+    """(name, peer) of each loaded peer (``PEERS``) with a kernel for ``case``; why each other
+    peer is absent goes to ``ctx["absent"][(op, case name)]`` (the side-by-side table)."""
     status = ctx.get("peer_status", {})
-    why = {
-        "flashmla": status.get("flashmla", "off")
-        if fm is None
-        else (None if case.flashmla is not None else f"no FlashMLA kernel for {case.op}"),
-        "aiter": status.get("aiter", "off") if ai is None else ai.unsupported(case),
-    }
-    ctx.setdefault("absent", {})[(case.op, case.name)] = {k: v for k, v in why.items() if v}
-    calls = []
-    if why["flashmla"] is None:
-        data = case.flashmla
-        calls.append(
-            (
-                "flashmla",
-                fm,
-                lambda: fm.prepare(data["q"], data["kv"], data["topk_idx"], data["sm_scale"]),
-            )
-        )
-    if why["aiter"] is None:
-        calls.append(("aiter", ai, lambda: ai.prepare(case)))
+    calls, absent = [], {}
+    for name in PEERS:
+        peer = ctx.get(name)
+        why = status.get(name, "off") if peer is None else peer.unsupported(case)
+        if why:
+            absent[name] = why
+        else:
+            calls.append((name, peer))
+    ctx.setdefault("absent", {})[(case.op, case.name)] = absent
     return calls
 
 
-def bench_peer(case: Case, reference, ctx: dict, name: str, peer, prepare: Callable) -> dict:
+def bench_peer(case: Case, reference, ctx: dict, name: str, peer: FlashMLA | Aiter) -> dict:
     """A row for a peer library's kernel (``peer.torch`` is its torch) on the case's arrays,
     timed as ours are, its outputs compared with the reference implementation's."""
     args = ctx["args"]
     try:
-        launch, sync, outputs, note = prepare()
+        launch, sync, outputs, note = peer.prepare_case(case)
         result = launch()
         sync(result)
         out, lse = outputs(result)

@@ -279,7 +279,7 @@ def test_aiter_adapter_layout_and_the_side_by_side_table():
         None, torch, None, "no mla_decode_gluon: X"
     ).unsupported(one)
 
-    launch, sync, outputs, note = ai.prepare(one)
+    launch, sync, outputs, note = ai.prepare_case(one)
     result = launch()
     sync(result)
     out, lse = outputs(result)

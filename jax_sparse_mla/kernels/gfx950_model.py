@@ -12,8 +12,8 @@ can update it and a test can hold the kernels to it; ``print_report(manifest)`` 
 
 Standard library only. Facts come from where they are defined: the compiled configurations
 from ``kernels/gfx950/configs.py`` (imported), the kernels' tile sizes and the record formats from
-the integer constants of ``kernels/gfx950/{sparse_mla,mla_decode,ultraquant}.py`` and
-``formats.py``, read from their source (``module_constants``: the kernel modules import FlyDSL
+the integer constants of ``kernels/gfx950/{mla_decode,ultraquant}.py`` and ``formats.py``, read
+from their source (``module_constants``: the kernel modules import FlyDSL
 and torch, the model needs neither). This module lives outside ``kernels/gfx950/`` because the
 build keys every code object by the digest of that directory's sources.
 
@@ -84,7 +84,6 @@ def module_constants(path: str) -> dict[str, int]:
 
 
 _FORMATS = module_constants("formats.py")
-_SPARSE = module_constants("kernels/gfx950/sparse_mla.py")
 _DECODE = module_constants("kernels/gfx950/mla_decode.py")
 _UQ = module_constants("kernels/gfx950/ultraquant.py")
 
