@@ -1,9 +1,14 @@
-"""Time every implementation of each op on this machine, and FlashMLA on the same data.
+"""Time every implementation of each op on this machine, and FlashMLA / aiter on the same data.
 
     python benchmarks/bench.py [--ops sparse_mla,mla_decode,ultraquant_decode]
         [--implementations xla,pallas,... | all] [--quick] [--samples 20] [--sample-ms 50]
-        [--l2-flush] [--profiler] [--no-flashmla] [--json PATH] [--decode-heads 12,128]
-        [--sparse 1x16,128x128]
+        [--l2-flush] [--profiler] [--no-flashmla] [--no-aiter] [--json PATH]
+        [--decode-heads 12,128] [--sparse 1x16,128x128]
+
+The same on an H200 and an MI355: on the MI355 (ROCm) the defaults are "xla" and "flydsl", the
+timing is the same host-clock method, ``--profiler`` reads the ROCm trace's device planes the
+same way (where jax's ROCm profiler writes none, the row says why and keeps its wall-clock
+times), and AMD aiter's kernels run beside ours when ``import aiter`` works.
 
 Implementations: by default every name in the op's implementation table that runs natively on
 this machine: "xla" everywhere; "pallas" and "mosaic" on CUDA; "flydsl" on gfx950; other names
@@ -47,6 +52,15 @@ attends to (per row: sparse_mla rows do not share their reads), q and the output
 two matmuls (q.K over the 576 dims, P.V over the 512). "copy" is the device-to-device copy
 bandwidth (read + write of ``a + 1`` on a 2 GiB buffer) measured in the same run.
 
+aiter (``Aiter``): when ``import aiter`` works (its torch built for ROCm), every ``mla_decode``
+case of qlen 1 also runs aiter's gluon MLA decode (``mla_decode_gluon``) on the same fp8 rows,
+indices and indptr, timed and compared the same way. aiter's sparse MLA and UltraQuant decodes
+are not wired yet (their interfaces and cache layouts were not checked against ours).
+
+After the table, "side by side" gives per case our fastest implementation other than "xla" and
+each peer's median time and its ratio to ours, or why the peer is absent (not importable, no
+kernel wired for the op, or it failed).
+
 FlashMLA: when ``import flash_mla`` works (torch and FlashMLA built for this GPU, e.g. by the
 build script kept outside the repository), every sparse_mla case also runs FlashMLA's sparse fp8
 decode (``flash_mla_with_kvcache(..., is_fp8_kvcache=True, indices=...)``, written against
@@ -61,8 +75,9 @@ reference implementation's (max abs difference). Every jax implementation is com
 reference too: "xla" when it runs, else the first implementation.
 
 The JSON (``--json``) holds the versions (python, jax, jaxlib, the jax plugins, torch and
-flash_mla when loaded), the devices, the GPU name and driver (nvidia-smi), the git commit and
-whether the work tree is dirty, the command line, the settings, the copy bandwidth and every row.
+flash_mla / aiter when loaded), the devices, the GPU name and driver (nvidia-smi, else rocm-smi),
+the git commit and whether the work tree is dirty, the command line, the settings (the timing
+method among them), the copy bandwidth, every row and the side-by-side entries.
 """
 
 from __future__ import annotations
@@ -76,6 +91,7 @@ import hashlib
 import importlib
 import importlib.metadata
 import itertools
+import json
 import math
 import os
 import platform
@@ -107,6 +123,13 @@ NATIVE_ON = {"xla": None, "pallas": {"cuda"}, "mosaic": {"cuda"}, "flydsl": {"gf
 MAX_CALLS = 2000
 FLASHMLA_HEADS = (64, 128)
 RECORD_BYTES = 656
+DECODE_K_SCALE, DECODE_V_SCALE = 0.02, 0.03  # the mla_decode cases' cache scales
+PEERS = ("flashmla", "aiter")  # the sources of the side-by-side table's peer columns
+TIMING = (
+    "median / min / p10 / p90 / max us: wall clock of back-to-back calls / calls (host clock, "
+    "asynchronous dispatch); device us (--profiler): jax.profiler trace timestamps, blank where "
+    "the trace has no device events"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +253,11 @@ def mla_decode_cases(key, s: Shapes) -> Iterator[Case]:
                     name=f"B={b} seq={seq} qlen={qlen} H={heads}",
                     params={"B": b, "seq": seq, "qlen": qlen, "H": heads},
                     fn=functools.partial(
-                        jsm.mla_decode, qlen=qlen, k_scale=0.02, v_scale=0.03, return_lse=True
+                        jsm.mla_decode,
+                        qlen=qlen,
+                        k_scale=DECODE_K_SCALE,
+                        v_scale=DECODE_V_SCALE,
+                        return_lse=True,
                     ),
                     args=(q, cache, kv_indices, kv_indptr),
                     nbytes=tokens * 576
@@ -575,6 +602,14 @@ class FlashMLA:
     def version(self) -> str:
         return str(getattr(self.mla, "__version__", "?"))
 
+    def unsupported(self, case: Case) -> str | None:
+        """Why FlashMLA has no kernel for ``case``, or None."""
+        return None if case.flashmla is not None else f"no FlashMLA kernel for {case.op}"
+
+    def prepare_case(self, case: Case):
+        data = case.flashmla
+        return self.prepare(data["q"], data["kv"], data["topk_idx"], data["sm_scale"])
+
     def prepare(self, q, kv, topk_idx, sm_scale: float):
         """(launch, sync, outputs(result) -> (out [n_q, H, 512], lse [n_q, H]), note)."""
         torch = self.torch
@@ -626,6 +661,85 @@ class FlashMLA:
         return launch, sync, outputs, note
 
 
+class Aiter:
+    """AMD aiter's kernels on a case's own arrays (DLPack, no copy), where aiter has one for the
+    op: ``mla_decode`` at qlen 1 runs aiter's gluon MLA decode (``mla_decode_gluon``, gfx950;
+    its interface as ``aiter/ops/triton/gluon/README.md`` documents it, 2026) over the same fp8
+    rows, indices and indptr. aiter's sparse MLA and UltraQuant decodes are not wired: their
+    interfaces and cache layouts were not verified against ours, so those peer columns are
+    absent."""
+
+    def __init__(self, module, torch, gluon_mla=None, gluon_why: str = ""):
+        self.aiter = module
+        self.torch = torch
+        self.gluon_mla = gluon_mla
+        self.gluon_why = gluon_why
+
+    @classmethod
+    def load(cls) -> tuple[Aiter | None, str]:
+        try:
+            import aiter
+            import torch
+        except Exception as e:  # ImportError, or a library that fails to load
+            return None, f"aiter not importable: {type(e).__name__}: {e}"
+        try:
+            from aiter.ops.triton.gluon.mla_decode_gluon import mla_decode_gluon
+        except Exception as e:
+            return cls(aiter, torch, None, f"no mla_decode_gluon: {type(e).__name__}: {e}"), ""
+        return cls(aiter, torch, mla_decode_gluon), ""
+
+    def version(self) -> str:
+        return str(getattr(self.aiter, "__version__", "?"))
+
+    def unsupported(self, case: Case) -> str | None:
+        """Why aiter has no kernel wired for ``case`` here, or None."""
+        if case.op != "mla_decode":
+            return f"no aiter kernel wired for {case.op}"
+        if self.gluon_mla is None:
+            return self.gluon_why
+        if case.params["qlen"] != 1:
+            return "aiter's gluon MLA decode is wired for qlen 1 only"
+        return None
+
+    def prepare_case(self, case: Case):
+        """(launch, sync, outputs(result) -> (out [B, H, 512], lse [B, H]), note) of aiter's
+        gluon MLA decode on an ``mla_decode`` case (qlen 1)."""
+        torch = self.torch
+        from_dlpack = torch.utils.dlpack.from_dlpack
+        jax.block_until_ready(case.args)
+        q, cache, kv_indices, kv_indptr = (from_dlpack(a) for a in case.args)
+        kv = cache.view(torch.float8_e4m3fn)  # [tokens, 576] e4m3fn codes
+        batch, heads, _ = q.shape
+        o = torch.empty((batch, heads, 512), dtype=torch.bfloat16, device=q.device)
+        mla = self.gluon_mla
+
+        def launch():
+            return mla(
+                q_nope=q[..., :512],
+                q_pe=q[..., 512:],
+                kv_c=kv,
+                o=o,
+                page_table=kv_indices,  # 1-D view: kv_indices / kv_indptr
+                seq_info=kv_indptr,
+                sm_scale=576**-0.5,
+                kv_pe_offset=512,
+                use_2d_view=False,
+                kv_scale=DECODE_K_SCALE,
+                return_lse=True,
+            )
+
+        def sync(_):
+            if q.is_cuda:
+                torch.cuda.synchronize()
+
+        def outputs(result):
+            out, lse = result
+            return out.float() * DECODE_V_SCALE, lse
+
+        note = "kv_scale = k_scale (scores); its output times v_scale outside the timed call"
+        return launch, sync, outputs, note
+
+
 def _torch_max_abs_diff(torch, a, b) -> float:
     """max |a - b| over arrays of the same shape (jax or torch), NaN when either has a NaN."""
     from_dlpack = torch.utils.dlpack.from_dlpack
@@ -668,15 +782,42 @@ def _run(cmd: list[str], cwd=None) -> tuple[str | None, str]:
 
 
 def gpu_info() -> dict:
+    """The GPUs as nvidia-smi (name, driver, memory, clocks per GPU) or else rocm-smi (its
+    JSON: product name, driver version) reports them; both None and why where neither runs."""
     fields = "name,driver_version,memory.total,clocks.max.sm,clocks.max.mem"
     out, err = _run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"])
-    if out is None:
-        return {"nvidia_smi": None, "error": err}
-    gpus = []
-    for line in out.splitlines():
-        values = [v.strip() for v in line.split(",")]
-        gpus.append(dict(zip(fields.split(","), values, strict=False)))
-    return {"nvidia_smi": gpus, "error": ""}
+    if out is not None:
+        gpus = []
+        for line in out.splitlines():
+            values = [v.strip() for v in line.split(",")]
+            gpus.append(dict(zip(fields.split(","), values, strict=False)))
+        return {"nvidia_smi": gpus, "rocm_smi": None, "error": ""}
+    rocm, rocm_err = _run(["rocm-smi", "--showproductname", "--showdriverversion", "--json"])
+    if rocm is not None:
+        try:
+            parsed = json.loads(rocm)
+        except ValueError:
+            parsed = {"text": rocm}
+        return {"nvidia_smi": None, "rocm_smi": parsed, "error": ""}
+    return {
+        "nvidia_smi": None,
+        "rocm_smi": None,
+        "error": f"nvidia-smi: {err}; rocm-smi: {rocm_err}",
+    }
+
+
+def gpu_driver(gpu: dict) -> str:
+    """The driver version ``gpu_info`` found, for the header line."""
+    if gpu["nvidia_smi"]:
+        return gpu["nvidia_smi"][0].get("driver_version", "n/a")
+    versions = [
+        v
+        for card in (gpu["rocm_smi"] or {}).values()
+        if isinstance(card, dict)
+        for k, v in card.items()
+        if "driver" in k.lower()
+    ]
+    return str(versions[0]) if versions else "n/a"
 
 
 def source_sha256() -> str:
@@ -711,7 +852,9 @@ def plugin_versions() -> dict:
     return dict(sorted(found.items()))
 
 
-def environment(flashmla: FlashMLA | None, flashmla_status: str) -> dict:
+def environment(
+    flashmla: FlashMLA | None, flashmla_status: str, aiter: Aiter | None, aiter_status: str
+) -> dict:
     devices = jax.devices()
     backend = {"name": jax.default_backend()}
     try:
@@ -732,12 +875,18 @@ def environment(flashmla: FlashMLA | None, flashmla_status: str) -> dict:
         "gpu": gpu_info(),
         "git": git_info(),
         "flashmla": flashmla_status or "loaded",
+        "aiter": aiter_status or "loaded",
     }
     if flashmla is not None:
         env["torch"] = flashmla.torch.__version__
         env["torch_cuda"] = flashmla.torch.version.cuda
         env["flash_mla"] = flashmla.version()
         env["flash_mla_file"] = getattr(flashmla.mla, "__file__", None)
+    if aiter is not None:
+        env["torch"] = aiter.torch.__version__
+        env["torch_hip"] = getattr(aiter.torch.version, "hip", None)
+        env["aiter_version"] = aiter.version()
+        env["aiter_gluon_mla"] = aiter.gluon_why or "loaded"
     return env
 
 
@@ -897,40 +1046,111 @@ def bench_case(case: Case, impls: list[str], ctx: dict) -> list[dict]:
             row = error_row(case, impl, "jax_sparse_mla", e)
         rows.append(row)
         print(markdown_row(row), flush=True)
-    if case.flashmla is not None and ctx["flashmla"] is not None:
-        row = bench_flashmla(case, reference, ctx)
+    for name, peer in peer_calls(case, ctx):
+        row = bench_peer(case, reference, ctx, name, peer)
         rows.append(row)
         print(markdown_row(row), flush=True)
     return rows
 
 
-def bench_flashmla(case: Case, reference, ctx: dict) -> dict:
-    fm: FlashMLA = ctx["flashmla"]
+def peer_calls(case: Case, ctx: dict) -> list[tuple[str, FlashMLA | Aiter]]:
+    """(name, peer) of each loaded peer (``PEERS``) with a kernel for ``case``; why each other
+    peer is absent goes to ``ctx["absent"][(op, case name)]`` (the side-by-side table)."""
+    status = ctx.get("peer_status", {})
+    calls, absent = [], {}
+    for name in PEERS:
+        peer = ctx.get(name)
+        why = status.get(name, "off") if peer is None else peer.unsupported(case)
+        if why:
+            absent[name] = why
+        else:
+            calls.append((name, peer))
+    ctx.setdefault("absent", {})[(case.op, case.name)] = absent
+    return calls
+
+
+def bench_peer(case: Case, reference, ctx: dict, name: str, peer: FlashMLA | Aiter) -> dict:
+    """A row for a peer library's kernel (``peer.torch`` is its torch) on the case's arrays,
+    timed as ours are, its outputs compared with the reference implementation's."""
     args = ctx["args"]
     try:
-        data = case.flashmla
-        launch, sync, outputs, note = fm.prepare(
-            data["q"], data["kv"], data["topk_idx"], data["sm_scale"]
-        )
+        launch, sync, outputs, note = peer.prepare_case(case)
         result = launch()
         sync(result)
         out, lse = outputs(result)
-        flush = ctx["torch_flush"](fm)
+        flush = ctx["torch_flush"](peer)
         times, calls = sample_times(
             launch, sync, samples=args.samples, sample_s=args.sample_ms / 1e3, flush=flush
         )
-        row = make_row(case, "flashmla", "flashmla", times, calls, ctx["copy_bps"], note=note)
+        row = make_row(case, name, name, times, calls, ctx["copy_bps"], note=note)
         if args.profiler:
             found, why = profile_device_times(launch, sync, None, max(args.samples, 20), flush)
             row["profiler"] = profiler_summary(found, why)
         if reference is not None:
             row["diff_vs"] = reference[0]
-            row["max_abs_diff"] = _torch_max_abs_diff(fm.torch, out, reference[1])
+            row["max_abs_diff"] = _torch_max_abs_diff(peer.torch, out, reference[1])
             if reference[2] is not None:
-                row["lse_max_abs_diff"] = _torch_max_abs_diff(fm.torch, lse, reference[2])
+                row["lse_max_abs_diff"] = _torch_max_abs_diff(peer.torch, lse, reference[2])
         return row
     except Exception as e:
-        return error_row(case, "flashmla", "flashmla", e)
+        return error_row(case, name, name, e)
+
+
+def side_by_side(rows: list[dict], absent: dict) -> list[dict]:
+    """Per case: ours (the fastest of our implementations other than "xla", else "xla") and
+    each peer's median time and its ratio to ours, or why the peer is absent."""
+    table: dict = {}
+    for row in rows:
+        table.setdefault((row["op"], row["case"]), []).append(row)
+    found = []
+    for (op, case), group in table.items():
+        ok = [r for r in group if not r.get("error")]
+        mine = [r for r in ok if r["source"] == "jax_sparse_mla"]
+        best = min(
+            [r for r in mine if r["implementation"] != "xla"] or mine,
+            key=lambda r: r["median_s"],
+            default=None,
+        )
+        entry = {
+            "op": op,
+            "case": case,
+            "ours": best and best["implementation"],
+            "ours_s": best and best["median_s"],
+        }
+        for peer in PEERS:
+            row = next((r for r in group if r["source"] == peer), None)
+            if row is None:
+                entry[peer] = {"absent": absent.get((op, case), {}).get(peer, "not run")}
+            elif row.get("error"):
+                entry[peer] = {"error": row["error"]}
+            else:
+                ratio = row["median_s"] / best["median_s"] if best else None
+                entry[peer] = {"median_s": row["median_s"], "vs_ours": ratio}
+        found.append(entry)
+    return found
+
+
+def side_by_side_table(entries: list[dict]) -> str:
+    """``side_by_side`` as markdown: a peer's cell is its median us and its time / ours."""
+
+    def cell(p: dict) -> str:
+        if "median_s" in p:
+            ratio = f" ({p['vs_ours']:.2f}x ours)" if p["vs_ours"] else ""
+            return f"{_us(p['median_s'])}{ratio}"
+        if "error" in p:
+            return f"failed: {p['error'][:80]}"
+        return f"absent: {p['absent'][:80]}"
+
+    lines = [
+        "side by side (median us of back-to-back calls):",
+        "| op | case | ours | ours us | " + " | ".join(f"{p} us" for p in PEERS) + " |",
+        "| --- | --- | --- | ---: |" + " --- |" * len(PEERS),
+    ]
+    for e in entries:
+        cells = [e["op"], e["case"], e["ours"] or "", _us(e["ours_s"])]
+        cells += [cell(e[p]) for p in PEERS]
+        lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
+    return "\n".join(lines)
 
 
 def copy_bandwidth(mib: int, samples: int, sample_s: float) -> float:
@@ -982,6 +1202,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--l2-flush-mib", type=int, default=None, help="flush buffer (256; quick 16)")
     p.add_argument("--profiler", action="store_true", help="also jax.profiler device times")
     p.add_argument("--no-flashmla", action="store_true", help="skip FlashMLA even if importable")
+    p.add_argument("--no-aiter", action="store_true", help="skip aiter even if importable")
     p.add_argument("--json", default=None, help="write the environment and rows here")
     p.add_argument("--decode-heads", default=None, help="comma list of mla_decode head counts (12)")
     p.add_argument(
@@ -1033,22 +1254,28 @@ def main(argv=None) -> dict:
         flashmla, flashmla_status = FlashMLA.load()
         if flashmla is None:
             print(flashmla_status)
+    aiter, aiter_status = (None, "off (--no-aiter)")
+    if not args.no_aiter:
+        aiter, aiter_status = Aiter.load()
+        print(aiter_status or f"aiter {aiter.version()} loaded ({aiter.gluon_why or 'gluon MLA'})")
     copy_bps = copy_bandwidth(shapes.copy_mib, args.samples, args.sample_ms / 1e3)
     floor_s = dispatch_floor(args.samples, args.sample_ms / 1e3)
-    env = environment(flashmla, flashmla_status)
+    env = environment(flashmla, flashmla_status, aiter, aiter_status)
     dev = jax.devices()[0]
-    gpu = (env["gpu"]["nvidia_smi"] or [{}])[0]
     print(
         f"device: {dev.device_kind} ({jax.default_backend()}); jax {jax.__version__}; "
-        f"driver {gpu.get('driver_version', 'n/a')}; copy {copy_bps / 1e12:.3f} TB/s "
+        f"driver {gpu_driver(env['gpu'])}; copy {copy_bps / 1e12:.3f} TB/s "
         f"({shapes.copy_mib} MiB a + 1); dispatch floor {_us(floor_s)} us (jitted x + 1); "
         f"{args.samples} samples of ~{args.sample_ms} ms"
         + ("; L2 flushed before every call" if args.l2_flush else "")
     )
+    print(f"times: {TIMING}")
     ctx = {
         "args": args,
         "copy_bps": copy_bps,
         "flashmla": flashmla,
+        "aiter": aiter,
+        "peer_status": {"flashmla": flashmla_status, "aiter": aiter_status},
         "jax_flush": JaxFlush(args.l2_flush_mib) if args.l2_flush else None,
         "torch_flush": (
             (lambda fm: TorchFlush(fm.torch, args.l2_flush_mib, _torch_device(fm)))
@@ -1069,6 +1296,12 @@ def main(argv=None) -> dict:
             rows += bench_case(case, impls, ctx)
     if args.profiler:
         print(kernels_table(rows))
+        missing = [r for r in rows if (r.get("profiler") or {}).get("error")]
+        if missing:
+            why = missing[0]["profiler"]["error"]
+            print(f"no device time for {len(missing)} rows (first: {why}): wall clock only")
+    pairs = side_by_side(rows, ctx.get("absent", {}))
+    print(side_by_side_table(pairs))
     report = {
         "schema": 1,
         "time_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -1085,15 +1318,15 @@ def main(argv=None) -> dict:
             "l2_flush": args.l2_flush,
             "l2_flush_mib": args.l2_flush_mib if args.l2_flush else None,
             "profiler": args.profiler,
+            "timing": TIMING,
             "shapes": dataclasses.asdict(shapes),
         },
         "copy_bandwidth_Bps": copy_bps,
         "dispatch_floor_s": floor_s,
         "rows": rows,
+        "side_by_side": pairs,
     }
     if args.json:
-        import json
-
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=1, default=str) + "\n")

@@ -1,6 +1,7 @@
-"""benchmarks/bench.py: a --quick CPU run writes the JSON it promises, and its FlashMLA adapter
-hands FlashMLA the fp8_ds_mla bytes in FlashMLA's layout (checked against a torch stand-in that
-follows FlashMLA's documented interface, since FlashMLA itself needs a Hopper GPU)."""
+"""benchmarks/bench.py: a --quick CPU run writes the JSON it promises, and its peer adapters hand
+FlashMLA the fp8_ds_mla bytes in FlashMLA's layout and aiter's gluon MLA decode the fp8 rows in
+its layout (checked against torch stand-ins that follow each interface as documented, since
+FlashMLA needs a Hopper GPU and aiter an MI355); the side-by-side table marks absent peers."""
 
 from __future__ import annotations
 
@@ -48,7 +49,9 @@ def test_quick_run_json(tmp_path):
     assert env_["jax"] == jax.__version__ and env_["python"] == sys.version.split()[0]
     assert isinstance(env_["jax_plugins"], dict)
     assert env_["backend"]["name"] == "cpu"
-    assert "nvidia_smi" in env_["gpu"] and "error" in env_["gpu"]
+    assert {"nvidia_smi", "rocm_smi", "error"} <= set(env_["gpu"])
+    assert report["settings"]["timing"].startswith("median / min")
+    assert "times: median / min" in done.stdout
     assert set(env_["git"]) >= {"head", "dirty", "source_sha256"}
     assert env_["git"]["source_sha256"] == _load_bench().source_sha256()  # the sources that ran
     if shutil.which("git") and (REPO / ".git").exists():
@@ -77,8 +80,20 @@ def test_quick_run_json(tmp_path):
         if "median_s" in prof:
             assert 0 < prof["min_s"] <= prof["median_s"] <= prof["max_s"] and prof["method"]
             assert prof["kernels"] and all(k["median_s"] > 0 for k in prof["kernels"])
-    table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    main_table, pairs_table = done.stdout.split("side by side")
+    table = [line for line in main_table.splitlines() if line.startswith("| ")]
     assert len(table) == 2 + len(rows)  # header, separator, one line per row
+    pairs = report["side_by_side"]
+    assert [(p["op"], p["case"]) for p in pairs] == [(r["op"], r["case"]) for r in rows]
+    assert len([line for line in pairs_table.splitlines() if line.startswith("| ")]) == 2 + len(
+        pairs
+    )
+    for p in pairs:
+        assert p["ours"] == "xla" and p["ours_s"] > 0
+        if importlib.util.find_spec("aiter") is None:
+            assert p["aiter"]["absent"].startswith("aiter not importable"), p
+        if importlib.util.find_spec("flash_mla") is None:
+            assert p["flashmla"]["absent"].startswith("FlashMLA not importable"), p
     after = done.stdout.split("kernels of one call")[1].splitlines()[1:]
     kernels = [line for line in after if line.startswith("- ")]
     assert len(kernels) == sum("median_s" in r["profiler"] for r in rows), kernels
@@ -94,6 +109,9 @@ def test_default_implementations_are_native():
     assert bench.runs_natively("mosaic", {"cpu", "cuda"})
     assert not bench.runs_natively("mosaic", cpu)
     assert bench.implementations_for("mla_decode", ["xla", "nope"], cpu) == ["xla"]
+    mi355 = {"cpu", "rocm", "gfx950"}
+    for op in bench.OPS:
+        assert bench.implementations_for(op, None, mi355) == ["xla", "flydsl"], op
     table = bench.table_implementations("ultraquant_decode")
     assert bench.implementations_for("ultraquant_decode", ["all"], cpu) == table
 
@@ -202,6 +220,106 @@ def test_flashmla_adapter_layout():
         assert row["profiler"]["median_s"] > 0 and row["profiler"]["kernels"], row["profiler"]
     else:
         assert "no event of a device outside XLA" in row["profiler"]["error"]
+
+
+def _fake_gluon_mla(torch, seen: list):
+    """aiter's ``mla_decode_gluon`` as ``aiter/ops/triton/gluon/README.md`` documents it (fp8
+    KV, 1-D ``kv_indices`` / ``kv_indptr`` view, ``kv_scale`` folded into the scores, natural-log
+    LSE), in plain torch, with the checks of its documented layout; records its keywords."""
+
+    def mla_decode_gluon(
+        q_nope,
+        q_pe,
+        kv_c,
+        o,
+        page_table,
+        seq_info,
+        sm_scale,
+        k_pe=None,
+        kv_pe_offset=512,
+        use_2d_view=True,
+        kv_scale=1.0,
+        min_kv_seq_len=1,
+        return_lse=False,
+        num_kv_splits=None,
+    ):
+        seen.append({"use_2d_view": use_2d_view, "kv_scale": kv_scale, "return_lse": return_lse})
+        assert not use_2d_view and k_pe is None and kv_pe_offset == 512 and return_lse
+        assert kv_c.dtype == torch.float8_e4m3fn and kv_c.ndim == 2 and kv_c.shape[1] == 576
+        batch, heads, _ = q_nope.shape
+        assert q_nope.dtype == q_pe.dtype == torch.bfloat16 and q_pe.shape == (batch, heads, 64)
+        assert page_table.dtype == seq_info.dtype == torch.int32 and page_table.ndim == 1
+        assert seq_info.shape == (batch + 1,) and o.shape == (batch, heads, 512)
+        keys = kv_c.float()
+        lse = torch.empty((batch, heads))
+        for b in range(batch):
+            k = keys[page_table[seq_info[b] : seq_info[b + 1]].long()]
+            q = torch.cat([q_nope[b], q_pe[b]], dim=-1).float()
+            scores = q @ k.T * (sm_scale * kv_scale)
+            lse[b] = torch.logsumexp(scores, dim=-1)
+            o[b] = (torch.softmax(scores, dim=-1) @ k[:, :512]).to(torch.bfloat16)
+        return o, lse
+
+    return mla_decode_gluon
+
+
+def test_aiter_adapter_layout_and_the_side_by_side_table():
+    torch = pytest.importorskip("torch")
+    bench = _load_bench()
+    seen = []
+    ai = bench.Aiter(types.SimpleNamespace(__version__="fake"), torch, _fake_gluon_mla(torch, seen))
+    shapes = dataclasses.replace(bench.QUICK, decode_heads=(16,))
+    cases = list(bench.mla_decode_cases(jax.random.key(2), shapes))
+    one, two = cases  # qlen 1 and 2
+    assert ai.unsupported(one) is None
+    assert "qlen 1 only" in ai.unsupported(two)
+    sparse = next(bench.sparse_mla_cases(jax.random.key(2), bench.QUICK))
+    assert ai.unsupported(sparse) == "no aiter kernel wired for sparse_mla"
+    assert "no mla_decode_gluon" in bench.Aiter(
+        None, torch, None, "no mla_decode_gluon: X"
+    ).unsupported(one)
+
+    launch, sync, outputs, note = ai.prepare_case(one)
+    result = launch()
+    sync(result)
+    out, lse = outputs(result)
+    assert seen[-1]["kv_scale"] == bench.DECODE_K_SCALE and "v_scale" in note
+    want_out, want_lse = one.fn(*one.args, implementation="xla")
+    want_out = np.asarray(want_out, np.float32)
+    np.testing.assert_allclose(out.numpy(), want_out, atol=2**-7 * np.abs(want_out).max())
+    np.testing.assert_allclose(lse.numpy(), np.asarray(want_lse), rtol=1e-4, atol=1e-3)
+
+    args = bench.parse_args(["--quick", "--implementations", "xla"])
+    ctx = {
+        "args": args,
+        "copy_bps": 1e9,
+        "flashmla": None,
+        "aiter": ai,
+        "peer_status": {"flashmla": "FlashMLA not importable: test"},
+        "jax_flush": None,
+        "torch_flush": lambda peer: None,
+    }
+    rows = bench.bench_case(one, ["xla"], ctx) + bench.bench_case(two, ["xla"], ctx)
+    assert [(r["case"][-12:], r["implementation"]) for r in rows] == [
+        (one.name[-12:], "xla"),
+        (one.name[-12:], "aiter"),
+        (two.name[-12:], "xla"),
+    ]
+    assert not rows[1]["error"] and rows[1]["diff_vs"] == "xla" and rows[1]["max_abs_diff"] < 1
+    pairs = bench.side_by_side(rows, ctx["absent"])
+    assert pairs[0]["aiter"]["vs_ours"] == pytest.approx(rows[1]["median_s"] / rows[0]["median_s"])
+    assert pairs[0]["flashmla"] == {"absent": "FlashMLA not importable: test"}
+    assert "qlen 1 only" in pairs[1]["aiter"]["absent"]
+    table = bench.side_by_side_table(pairs).splitlines()
+    assert len(table) == 3 + 2 and "x ours)" in table[3] and "absent: aiter's gluon" in table[4]
+
+
+def test_gpu_driver_from_either_tool():
+    bench = _load_bench()
+    nvidia = {"nvidia_smi": [{"driver_version": "580.1"}], "rocm_smi": None, "error": ""}
+    rocm = {"nvidia_smi": None, "rocm_smi": {"system": {"Driver version": "6.12.12"}}, "error": ""}
+    neither = {"nvidia_smi": None, "rocm_smi": None, "error": "x"}
+    assert [bench.gpu_driver(g) for g in (nvidia, rocm, neither)] == ["580.1", "6.12.12", "n/a"]
 
 
 POSITIVE_INTS = "must be a comma list of positive integers"

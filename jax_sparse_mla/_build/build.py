@@ -17,7 +17,9 @@ Each module is compiled in its own subprocess (an LLVM selection error aborts th
 hits it); when one dies, its configurations are retried one per process to name the culprit.
 ``--report`` prints VGPR / AGPR / SGPR / LDS / scratch / spills and the occupancy they allow for
 every kernel, and exits non-zero when a kernel spills, uses scratch, exceeds 160 KiB of LDS or
-misses its design occupancy. ``--link`` then relinks the installed FFI library
+misses its design occupancy; then the static MI355X model of the kernels
+(``kernels/gfx950_model.py``: per decode shape, workgroups and bytes against the redesign's
+targets, and the time HBM bandwidth alone allows). ``--link`` then relinks the installed FFI library
 (``jax_sparse_mla/ffi/_jsm_ffi*.so``) with the objects. Needs the ``gfx950-build`` extra
 (flydsl, a CPU torch, ziglang).
 """
@@ -314,6 +316,7 @@ def report(manifest: dict) -> int:
             )
     n = sum(len(e["resources"]) for e in manifest["kernels"])
     print(f"{n} kernels in {len(manifest['kernels'])} configurations; {bad} failing the checks")
+    importlib.import_module(f"jax_sparse_mla.kernels.{manifest['arch']}_model").print_report(manifest)
     return bad
 
 

@@ -14,8 +14,6 @@ batch element (``vmap_method="sequential"``).
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,16 +26,18 @@ from jax_sparse_mla.kernels.gfx950.configs import MLA_DECODE_QLENS as KERNEL_QLE
 from jax_sparse_mla.kernels.gfx950.configs import ULTRAQUANT_BLOCK_SIZES as KERNEL_BLOCK_SIZES
 from jax_sparse_mla.kernels.gfx950.configs import ULTRAQUANT_GROUP_SIZES as KERNEL_GROUP_SIZES
 from jax_sparse_mla.kernels.gfx950.configs import kernel_group_size
-
-# mla_decode runs one 8-wave CTA per CU; ultraquant 12 one-wave groups per CU.
-MI355_CUS = 256  # MI355X; assumed when lowering for ROCm on a host without the GPU
-_UQ_WORKGROUPS_PER_CU = 12
+from jax_sparse_mla.kernels.gfx950_model import (
+    MI355X_CUS,
+    mla_decode_splits,
+    ultraquant_partitions,
+)
 
 
 def device_cus() -> int:
-    """The CUs of this process's first ROCm device (jax's ``core_count``), else the MI355X's."""
+    """The CUs of this process's first ROCm device (jax's ``core_count``), else the MI355X's
+    (assumed when lowering for ROCm on a host without the GPU)."""
     devices = _platform.rocm_devices()
-    return int(getattr(devices[0], "core_count", 0) or MI355_CUS) if devices else MI355_CUS
+    return int(getattr(devices[0], "core_count", 0) or MI355X_CUS) if devices else MI355X_CUS
 
 
 def _call(target: str, results, *args, **attrs):
@@ -135,11 +135,9 @@ def merge_configurations(o_parts, lse_parts):
 
 def default_num_splits(q, kv_indices, kv_indptr, qlen: int) -> int:
     """Splits that fill the GPU's CUs (``device_cus``): one CTA per (16 query rows, split,
-    request), at most one split per 128 keys of the mean request."""
+    request), at most one split per 128 keys of the mean request (``mla_decode_splits``)."""
     batch = kv_indptr.shape[0] - 1
-    groups = math.ceil(q.shape[1] * qlen / 16)
-    blocks = math.ceil(kv_indices.shape[0] / max(batch, 1) / 128)
-    return max(1, min(math.ceil(device_cus() / max(batch * groups, 1)), blocks))
+    return mla_decode_splits(batch, q.shape[1], qlen, kv_indices.shape[0], device_cus())
 
 
 def mla_decode_partials_flydsl(
@@ -233,9 +231,9 @@ def ultraquant_configurations(q, cache, block_tables, seq_lens, **_):
 
 
 def default_num_partitions(batch: int, kv_heads: int, max_tokens: int) -> int:
-    """Partitions that fill the GPU (12 one-wave groups per CU), at most one per 128 tokens."""
-    fill = math.ceil(device_cus() * _UQ_WORKGROUPS_PER_CU / max(batch * kv_heads, 1))
-    return max(1, min(fill, math.ceil(max_tokens / 128)))
+    """Partitions that fill the GPU (12 one-wave groups per CU), at most one per 128 tokens
+    (``ultraquant_partitions``)."""
+    return ultraquant_partitions(batch, kv_heads, max_tokens, device_cus())
 
 
 def ultraquant_decode_flydsl(q, cache, block_tables, seq_lens, *, sm_scale, num_partitions):

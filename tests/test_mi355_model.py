@@ -1,0 +1,128 @@
+"""The static MI355X model of the gfx950 kernels (kernels/gfx950_model.py) and its report.
+
+The expected values are worked out here from the formats (docs/formats.md) and the kernels'
+documented grids, not read from the model's constants."""
+
+from pathlib import Path
+
+import pytest
+
+from jax_sparse_mla._build import build
+from jax_sparse_mla.kernels import gfx950_model as model
+from jax_sparse_mla.kernels.gfx950_model import MlaDecode, SparseMla, UltraQuant
+
+RECORD = 512 + 4 * 4 + 64 * 2  # fp8_ds_mla: e4m3 latent, 4 f32 scales, 64 bf16 rope
+ROW = 512 + 64  # mla_decode cache row: 576 e4m3 codes
+SLOT = 128 + 8 + 128 + 8  # UltraQuant: K codes + scales, V codes + scales
+PARTIAL = 512 * 2 + 4  # one bf16 output row and its f32 LSE
+
+
+def test_sparse_mla_regathers_per_head_group():
+    e = model.estimate(SparseMla(n_q=1, heads=128, topk=2048))
+    assert (e.launches, e.workgroups, e.splits) == (8, 1, 1)  # 8 groups of 16 heads
+    assert e.min_record_bytes == 2048 * RECORD == 1_343_488
+    assert e.record_bytes == 8 * 2048 * RECORD
+    assert e.fill_target == 2048 // 64
+    assert e.misses() == ["bytes 8x min", "fill 1/32 WGs"]
+    q_out = 128 * (576 * 2 + 512 * 2 + 4)
+    assert e.hbm_s == pytest.approx((8 * 2048 * (RECORD + 4) + q_out) / 8e12)
+    assert e.min_hbm_s == pytest.approx((2048 * (RECORD + 4) + q_out) / 8e12)
+
+
+def test_sparse_mla_sixteen_heads_reads_each_record_once():
+    e = model.estimate(SparseMla(n_q=128, heads=16))
+    assert (e.launches, e.workgroups, e.bytes_ratio) == (1, 128, 1.0)
+    assert e.misses() == ["fill 128/256 WGs"]
+
+
+def test_mla_decode_fills_the_cus_and_writes_partials():
+    e = model.estimate(MlaDecode(batch=1, context=32768, heads=16))
+    assert e.splits == 256  # 256 CUs / (1 request x 1 head group), one per 128-key block
+    assert e.workgroups == 256
+    assert e.record_bytes == e.min_record_bytes == 32768 * ROW
+    q_out = 16 * (576 * 2 + PARTIAL)
+    keys = 32768 * 4
+    assert e.other_bytes == keys + q_out + 2 * 256 * 16 * PARTIAL  # written, read back
+    assert e.misses() == []
+
+
+def test_mla_decode_rereads_k_per_head_group():
+    e = model.estimate(MlaDecode(batch=4, context=8192, heads=128))
+    assert e.splits == 8  # 256 / (4 requests x 8 head groups)
+    assert e.workgroups == 8 * 8 * 4  # 8 XCDs x 8 groups x ceil(4 x 8 / 8)
+    assert e.record_bytes == 8 * 4 * 8192 * ROW
+    assert e.misses() == ["bytes 8x min"]
+    one = model.estimate(MlaDecode(batch=64, context=8192, heads=128))
+    assert (one.splits, one.workgroups) == (1, 512)
+    assert one.other_bytes == 8 * 64 * 8192 * 4 + 64 * 128 * (576 * 2 + PARTIAL)  # no combine
+
+
+def test_mla_decode_split_cap_leaves_cus_idle():
+    e = model.estimate(MlaDecode(batch=1, context=8192, heads=16))
+    assert e.splits == 8192 // 128
+    assert e.misses() == ["fill 64/128 WGs"]  # 64-key splits would give 128
+
+
+def test_ultraquant_reads_each_slot_once():
+    e = model.estimate(UltraQuant(batch=1, context=32768, kv_heads=8, group=8))
+    assert e.splits == 32768 // 128  # fill: ceil(256 x 12 / 8) = 384, capped at the tile groups
+    assert e.workgroups == 8 * 256
+    assert e.record_bytes == e.min_record_bytes == 8 * 32768 * SLOT
+    assert e.misses() == []
+
+
+def test_ultraquant_partials_pad_to_the_compiled_group():
+    g3 = model.estimate(UltraQuant(batch=2, context=1024, kv_heads=4, group=3))
+    g6 = model.estimate(UltraQuant(batch=2, context=1024, kv_heads=4, group=6))
+    q_out_diff = 2 * 4 * 3 * 2 * 256 * 2
+    assert g6.other_bytes - g3.other_bytes == q_out_diff  # same partials: G=3 runs as G=6
+    assert g3.splits == 1024 // 128
+
+
+def test_device_cus_enter_the_plan():
+    e = model.estimate(MlaDecode(batch=1, context=32768, heads=16), cus=80)
+    assert (e.splits, e.workgroups, e.fill_target) == (80, 80, 80)
+    assert model.estimate(SparseMla(1, 16), cus=16).fill_target == 16
+
+
+def test_constants_read_from_source_match_the_modules():
+    K = pytest.importorskip("jax_sparse_mla.kernels.gfx950.mla_decode")
+    found = model.module_constants("kernels/gfx950/mla_decode.py")
+    assert found["LDS_BYTES"] == K.LDS_BYTES and found["ROWS"] == K.ROWS
+    assert "NEG_BIG" not in found  # floats are not integer constants
+    U = pytest.importorskip("jax_sparse_mla.kernels.gfx950.ultraquant")
+    assert model.UQ_WORKGROUPS_PER_CU == U.LDS_PER_CU // U.LDS_BYTES == 12
+
+
+def test_report_prints_the_model_section(capsys):
+    resources = {
+        "name": "jsm_sparse_mla_h16_l1",
+        "vgpr": 249,
+        "agpr": 0,
+        "vgpr_alloc": 256,
+        "sgpr": 84,
+        "lds_bytes": 76160,
+        "scratch_bytes": 0,
+        "vgpr_spills": 0,
+        "sgpr_spills": 0,
+        "workgroup_size": 256,
+    }
+    entry = {
+        "symbol": "jsm_sparse_mla_h16_l1",
+        "design_waves_per_simd": 2,
+        "resources": [resources],
+    }
+    assert build.report({"arch": "gfx950", "kernels": [entry]}) == 0
+    out = capsys.readouterr().out
+    assert "MI355X model (256 CUs" in out
+    assert "jsm_sparse_mla_h16_l1 256 76160 2 2 vgpr" in " ".join(out.split())
+    assert "| sparse_mla | n_q=1 H=128 topk=2048 | 8 | 1 | 32 | 1 | 10.75 | 1.34 | 8.00 |" in out
+    assert "| bytes 8x min; fill 1/32 WGs |" in out
+    assert f"of {len(model.DECODE_SHAPES)} decode shapes miss a target" in out
+
+
+def test_docs_hold_the_models_rows():
+    """docs/mi355.md's tables are the model's rows: change the model, regenerate them."""
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "mi355.md").read_text()
+    for line in model.shape_lines() + model.shape_lines(model.PEER_SHAPES):
+        assert line in docs, line
