@@ -20,7 +20,13 @@ def test_kernel_modules_compile_exactly_the_listed_configurations():
 
 @pytest.mark.skipif(importlib.util.find_spec("flydsl") is None, reason="needs FlyDSL")
 def test_kernel_modules_launch_the_listed_threads_per_workgroup():
+    """And use the listed tiles; UltraQuant's LDS lets the listed workgroups share a CU."""
     module = functools.partial(build.kernel_module, "gfx950")
+    uq = module("ultraquant")
+    assert uq.LDS_PER_CU // uq.LDS_BYTES == configs.ULTRAQUANT_WORKGROUPS_PER_CU
+    assert (uq.TILE, uq.TILE_GROUP) == (configs.ULTRAQUANT_TILE, configs.ULTRAQUANT_TILE_GROUP)
+    decode = module("mla_decode")
+    assert (decode.BLOCK, decode.ROWS) == (configs.MLA_DECODE_BLOCK, configs.MLA_DECODE_ROWS)
     assert module("sparse_mla").THREADS == configs.SPARSE_MLA_THREADS
     assert module("mla_decode").THREADS == configs.MLA_DECODE_PARTIALS_THREADS
     assert 64 * module("mla_decode").COMBINE_WAVES == configs.MLA_DECODE_COMBINE_THREADS

@@ -10,12 +10,10 @@ of the op (the shape's type), the shape and the device's CU count, so the redesi
 can update it and a test can hold the kernels to it; ``print_report(manifest)`` is the section
 ``python -m jax_sparse_mla.build --arch gfx950 --report`` prints after its resource table.
 
-Standard library only. Facts come from where they are defined: the compiled configurations
-from ``kernels/gfx950/configs.py`` (imported), the kernels' tile sizes and the record formats from
-the integer constants of ``kernels/gfx950/{mla_decode,ultraquant}.py`` and ``formats.py``, read
-from their source (``module_constants``: the kernel modules import FlyDSL
-and torch, the model needs neither). This module lives outside ``kernels/gfx950/`` because the
-build keys every code object by the digest of that directory's sources.
+Facts come from where they are defined: the compiled configurations and the kernels' tile sizes
+from ``kernels/gfx950/configs.py``, the record formats from ``formats.py`` (no FlyDSL needed).
+This module lives outside ``kernels/gfx950/`` because the build keys every code object by the
+digest of that directory's sources.
 
 Targets of the redesign (issue 46), reported here as misses, not asserted: records requested at
 most ``MAX_BYTES_RATIO`` x the minimum (each record once per split: once per query row or
@@ -25,16 +23,18 @@ launch, a work unit being one 64-key (``SPLIT_KEYS``) piece of one row's keys.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import math
-import operator
-from pathlib import Path
 
 from jax_sparse_mla._build.codeobject import SIMDS_PER_CU, KernelResources
+from jax_sparse_mla.formats import (
+    KV_DIM,
+    LATENT_DIM,
+    RECORD_BYTES,
+    UQ_HEAD_DIM,
+    UQ_SLOT_CONTENT_BYTES,
+)
 from jax_sparse_mla.kernels.gfx950 import configs
-
-_PACKAGE = Path(__file__).resolve().parents[1]
 
 # AMD Instinct MI355X (AMD's product page): 256 CUs in 8 XCDs, 8 TB/s of HBM3E.
 MI355X_CUS = 256
@@ -45,58 +45,12 @@ MAX_BYTES_RATIO = 1.1
 SPLIT_KEYS = 64
 
 
-_OPS = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
-    ast.LShift: operator.lshift,
-    ast.RShift: operator.rshift,
-}
-
-
-def _int_expr(node: ast.expr, known: dict[str, int]) -> int:
-    if isinstance(node, ast.Constant) and type(node.value) is int:
-        return node.value
-    if isinstance(node, ast.Name) and node.id in known:
-        return known[node.id]
-    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-        left, right = _int_expr(node.left, known), _int_expr(node.right, known)
-        return _OPS[type(node.op)](left, right)
-    raise ValueError("not an integer expression over earlier constants")
-
-
-def module_constants(path: str) -> dict[str, int]:
-    """The top-level integer constants of the package module at ``path`` (relative to the
-    package: ``NAME = <int literal or + - * // % << >> of earlier ones>``), from its source,
-    without importing it. Other assignments are left out."""
-    known: dict[str, int] = {}
-    for node in ast.parse((_PACKAGE / path).read_text()).body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target = node.targets[0]
-            if isinstance(target, ast.Name):
-                try:
-                    known[target.id] = _int_expr(node.value, known)
-                except ValueError:
-                    pass
-    return known
-
-
-_FORMATS = module_constants("formats.py")
-_DECODE = module_constants("kernels/gfx950/mla_decode.py")
-_UQ = module_constants("kernels/gfx950/ultraquant.py")
-
-RECORD_BYTES = _FORMATS["RECORD_BYTES"]  # fp8_ds_mla record: 656
-KV_DIM = _FORMATS["KV_DIM"]  # q and K dims (576); an mla_decode cache row is 576 fp8 bytes
-LATENT_DIM = _FORMATS["LATENT_DIM"]  # output dims (512)
-UQ_HEAD_DIM = _FORMATS["UQ_HEAD_DIM"]  # 256
-UQ_SLOT_BYTES = _FORMATS["UQ_SLOT_CONTENT_BYTES"]  # 272 read per (token, KV head)
-DECODE_ROWS = _DECODE["ROWS"]  # query rows (head x position) per mla_decode CTA: 16
-DECODE_BLOCK = _DECODE["BLOCK"]  # keys per mla_decode block: splits are whole blocks
-UQ_TILE = _UQ["TILE"]  # tokens per UltraQuant tile: one block-table read each
-UQ_TILE_GROUP = _UQ["TILE_GROUP"]  # tokens per partition work item (128)
-UQ_WORKGROUPS_PER_CU = _UQ["LDS_PER_CU"] // _UQ["LDS_BYTES"]  # one-wave groups per CU: 12
+DECODE_ROWS = configs.MLA_DECODE_ROWS  # query rows (head x position) per mla_decode CTA: 16
+DECODE_BLOCK = configs.MLA_DECODE_BLOCK  # keys per mla_decode block: splits are whole blocks
+UQ_TILE = configs.ULTRAQUANT_TILE  # tokens per UltraQuant tile: one block-table read each
+UQ_TILE_GROUP = configs.ULTRAQUANT_TILE_GROUP  # tokens per partition work item (128)
+UQ_WORKGROUPS_PER_CU = configs.ULTRAQUANT_WORKGROUPS_PER_CU  # one-wave groups per CU: 12
+UQ_SLOT_BYTES = UQ_SLOT_CONTENT_BYTES  # 272 read per (token, KV head)
 BF16, F32, I32 = 2, 4, 4
 
 

@@ -25,6 +25,11 @@ SPARSE_MLA_THREADS = 256  # 4 waves
 MLA_DECODE_PARTIALS_THREADS = 512  # 8 waves
 MLA_DECODE_COMBINE_THREADS = 256  # 4 waves, one merged row each
 ULTRAQUANT_THREADS = 64  # one wave: the decode partials and the reduce
+MLA_DECODE_ROWS = 16  # query rows (head x position) per partials CTA
+MLA_DECODE_BLOCK = 128  # keys per partials block; a split is whole blocks
+ULTRAQUANT_TILE = 16  # tokens per QK / PV MFMA step (one block-table read each)
+ULTRAQUANT_TILE_GROUP = 128  # tokens per partition work item
+ULTRAQUANT_WORKGROUPS_PER_CU = 12  # one-wave decode groups a CU's 160 KiB LDS holds
 
 
 def symbols() -> dict[str, tuple[str, ...]]:

@@ -140,15 +140,17 @@ from jax_sparse_mla.kernels.gfx950._primitives import (
     uniform,
 )
 from jax_sparse_mla.kernels.gfx950.configs import (
+    MLA_DECODE_BLOCK,
     MLA_DECODE_COMBINE_THREADS,
     MLA_DECODE_PARTIALS_THREADS,
+    MLA_DECODE_ROWS,
 )
 from jax_sparse_mla.kernels.gfx950.configs import MLA_DECODE_QLENS as QLENS
 
 KV_DIM = 576  # K = all 576 codes of a row; V = its first 512
 LATENT = 512
-BLOCK = 128  # keys per block
-ROWS = 16  # query rows per CTA
+BLOCK = MLA_DECODE_BLOCK  # keys per block
+ROWS = MLA_DECODE_ROWS  # query rows per CTA
 THREADS = MLA_DECODE_PARTIALS_THREADS
 WAVES = THREADS // 64  # 8
 TILE = BLOCK // WAVES  # keys per wave per block

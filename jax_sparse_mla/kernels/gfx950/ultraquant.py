@@ -147,13 +147,17 @@ from jax_sparse_mla.kernels.gfx950._primitives import (
 )
 from jax_sparse_mla.kernels.gfx950.configs import ULTRAQUANT_BLOCK_SIZES as BLOCK_SIZES
 from jax_sparse_mla.kernels.gfx950.configs import ULTRAQUANT_GROUP_SIZES as GROUP_SIZES
-from jax_sparse_mla.kernels.gfx950.configs import ULTRAQUANT_THREADS
+from jax_sparse_mla.kernels.gfx950.configs import (
+    ULTRAQUANT_THREADS,
+    ULTRAQUANT_TILE,
+    ULTRAQUANT_TILE_GROUP,
+)
 
 HEAD_DIM = 256
 WAVE = 64
 THREADS = ULTRAQUANT_THREADS  # per workgroup: one wave (both kernels assume it)
-TILE = 16  # tokens per QK / PV MFMA step
-TILE_GROUP = 128  # KV_COMPUTE_BLOCK: tokens per partition work item
+TILE = ULTRAQUANT_TILE  # tokens per QK / PV MFMA step
+TILE_GROUP = ULTRAQUANT_TILE_GROUP  # KV_COMPUTE_BLOCK: tokens per partition work item
 N_TILES = TILE_GROUP // TILE
 PV_GROUP = 4  # PV MFMAs per group of transposed V reads
 
