@@ -6,7 +6,7 @@ workgroups one launch puts on the GPU's CUs and the bytes the kernels ask the me
 and divides bytes by the HBM bandwidth. Caches (L2, Infinity Cache) are ignored, so the "HBM
 time" is what bandwidth alone allows when every request goes to HBM, and a lower bound on the
 time only where the kernel keeps the whole GPU busy. ``estimate(shape, cus)`` is a pure function
-of the op (the shape's type), the shape and the device's CU count, so the redesign of issue 46
+of the op (the shape's type), the shape and the device's CU count, so a redesign of the kernels
 can update it and a test can hold the kernels to it; ``print_report(manifest)`` is the section
 ``python -m jax_sparse_mla.build --arch gfx950 --report`` prints after its resource table.
 
@@ -15,7 +15,7 @@ from ``kernels/gfx950/configs.py``, the record formats from ``formats.py`` (no F
 This module lives outside ``kernels/gfx950/`` because the build keys every code object by the
 digest of that directory's sources.
 
-Targets of the redesign (issue 46), reported here as misses, not asserted: records requested at
+Targets of the planned redesign, reported here as misses, not asserted: records requested at
 most ``MAX_BYTES_RATIO`` x the minimum (each record once per split: once per query row or
 request, and per KV head for UltraQuant), and at least ``min(CUs, work units)`` workgroups per
 launch, a work unit being one 64-key (``SPLIT_KEYS``) piece of one row's keys.
