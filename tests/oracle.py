@@ -227,12 +227,11 @@ def uq_quantize(x) -> tuple[np.ndarray, np.ndarray]:
     g = x.reshape(*lead, 8, 32)
     amax = np.max(np.abs(g), axis=-1)  # float32
     t = (np.float32(0.156) * amax).astype(np.float32)  # float32 multiply (subnormals kept)
-    zero = amax == 0
-    ok = (t > 0) & np.isfinite(t)
-    e = _floor_log2_plus_half_exact(np.where(ok, t, np.float32(1.0)))
-    e = np.where(t == 0, -126, e)  # 0.156 * amax underflowed to 0: log2 = -inf -> clamp
-    e = np.where(np.isfinite(t), e, 127)  # amax +inf or NaN: log2 +inf / NaN -> clamp to 127
-    e = np.clip(e, -126, 127)
+    # vLLM's torch reference: a scale that is 0 (amax 0, or 0.156 * amax underflowing to 0)
+    # or not finite (the group holds +-inf or NaN) makes a zero group: byte 0, codes +0
+    zero = (t == 0) | ~np.isfinite(t)
+    e = _floor_log2_plus_half_exact(np.where(zero, np.float32(1.0), t))
+    e = np.clip(e, -126, 127)  # an underflowing scale is 2^-126 (byte 1)
     e = np.where(zero, 0, e)
     sbyte = np.where(zero, 0, e + 127).astype(np.uint8)
     y = g.astype(np.float64) / np.ldexp(1.0, e)[..., None]  # == the float32 division (exact)
@@ -243,14 +242,15 @@ def uq_quantize(x) -> tuple[np.ndarray, np.ndarray]:
 
 
 def uq_dequantize(packed, sbytes) -> np.ndarray:
-    """(uint8 [..., 128], uint8 [..., 8]) -> float64 [..., 256]. Scale byte b means 2^(b-127)."""
+    """(uint8 [..., 128], uint8 [..., 8]) -> float64 [..., 256]. Scale byte b means 2^(b-127),
+    0 a zero group."""
     packed = np.asarray(packed, dtype=np.uint8)
     lo = packed & 0xF
     hi = packed >> 4
     codes = np.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], UQ_D)
     vals = E2M1_TABLE[codes].reshape(*packed.shape[:-1], 8, 32)
     sb = np.asarray(sbytes, dtype=np.uint8).astype(np.int64)
-    s = np.where(sb == 255, np.nan, np.ldexp(1.0, sb - 127))
+    s = np.where(sb == 255, np.nan, np.where(sb == 0, 0.0, np.ldexp(1.0, sb - 127)))
     return (vals * s[..., None]).reshape(*packed.shape[:-1], UQ_D)
 
 
