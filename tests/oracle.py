@@ -438,10 +438,21 @@ def merge_attn_states(o_parts, lse_parts):
     return o, lse
 
 
-def ultraquant_decode(q, cache, block_tables, seq_lens, sm_scale=1 / 16, stats=False):
+def uq_query(q, exact_q=False) -> np.ndarray:
+    """The query ultraquant_decode scores with (the format's definition, as vLLM's reference
+    attention computes it): q [..., 256] rotated exactly by H/16, then rounded to e4m3fn (nearest
+    even, saturating at +-448, NaN stays NaN) unless ``exact_q``. float64, rotated dims."""
+    q_rot = uq_rotate_exact(to_f64(q))
+    return q_rot if exact_q else e4m3_decode(e4m3_encode(q_rot))
+
+
+def ultraquant_decode(
+    q, cache, block_tables, seq_lens, sm_scale=1 / 16, stats=False, exact_q=False
+):
     """q [B, Hq, 256] (exact values) -> out [B, Hq, 256] float64 (no lse: the op has none).
-    Also returns lse [B, Hq] (for diagnostics)."""
-    q = to_f64(q)
+    Also returns lse [B, Hq] (for diagnostics). Scores are ``uq_query(q) . K`` in the rotated
+    (stored) dims; the stats' score_abs is ``sm_scale max_k sum_i |q_i K_i|`` there."""
+    q = uq_query(q, exact_q)
     bsz, hq, d = q.shape
     assert d == UQ_D
     cache = np.asarray(cache, dtype=np.uint8)
@@ -460,8 +471,7 @@ def ultraquant_decode(q, cache, block_tables, seq_lens, sm_scale=1 / 16, stats=F
         ok = (blk >= 0) & (blk < nb)
         j, blk = j[ok], blk[ok]
         slots = cache[blk, j % bs]  # [n, Hk, slot]
-        k_st, v = uq_unpack(slots[..., :UQ_SLOT_MIN])
-        k = uq_unrotate(k_st)  # [n, Hk, 256] original space
+        k, v = uq_unpack(slots[..., :UQ_SLOT_MIN])  # [n, Hk, 256], K rotated
         for kh in range(hk):
             hs = slice(kh * g, (kh + 1) * g)
             out[b, hs], lse[b, hs] = _attend(q[b, hs], k[:, kh], v[:, kh], sm_scale)
