@@ -7,8 +7,8 @@ e4m3fn (never FNUZ); docs/formats.md describes the layouts and rules.
 
 Bit-exactness notes (XLA on CPU flushes subnormal floats to zero and its ``exp2`` is not exact at
 integers): powers of two are built from exponent bits, ``ceil(log2)`` and ``round(log2)`` are read
-off the float32 bits, the UltraQuant rotation prescales each row by a power of two and the
-quantizer scales subnormal inputs through their integer mantissa, so the bytes match an exact
+off the float32 bits, and the UltraQuant rotation's prescale and the quantizer's division by
+its power-of-two scale are done on the bits (``ldexp_exact``), so the bytes match an exact
 (float64) reading of the rules for every input.
 """
 
@@ -404,29 +404,12 @@ def ultraquant_quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     zero = (amax_bits <= _UQ_ZERO_AMAX_BITS) | (amax_bits >= 0x7F800000)
     scale_bytes = jnp.where(zero, 0, e + 127).astype(jnp.uint8)
 
-    y = _divide_by_pow2(groups, e[..., None])
+    y = ldexp_exact(groups, -e[..., None])  # exact, subnormals included
     level = jnp.sum(y[..., None] > jnp.asarray(_E2M1_MIDPOINTS), axis=-1)
     level = jnp.where(zero[..., None], _E2M1_ZERO_LEVEL, level)
     codes = jnp.asarray(_E2M1_LEVEL_CODES)[level].reshape(*x.shape[:-1], UQ_HEAD_DIM)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed.astype(jnp.uint8), scale_bytes
-
-
-def _divide_by_pow2(x: jax.Array, e: jax.Array) -> jax.Array:
-    """Exact ``x / 2^e`` for float32 ``x`` (subnormals included) and int32 ``e`` in [-126, 127].
-
-    Normal ``x`` divide directly; a subnormal ``x`` is ``mantissa * 2^-149``, scaled from its
-    integer mantissa so that flush-to-zero hardware does not turn it into 0. Results below the
-    normal range become 0, which quantizes the same. ±inf and NaN stay as they are (XLA may
-    divide by multiplying with 2^-e, which flushes to 0 for e = 127: inf x 0 would be NaN).
-    """
-    bits = _f32_bits(x)
-    mag = bits & 0x7FFFFFFF
-    normal = jnp.where(mag >= 0x7F800000, x, x / pow2(e))
-    k = -149 - e
-    sub = mag.astype(jnp.float32) * jnp.where(k >= -126, pow2(jnp.maximum(k, -126)), 0.0)
-    sub = jnp.where(bits < 0, -sub, sub)
-    return jnp.where(mag < 0x00800000, sub, normal)
 
 
 def ultraquant_dequantize(codes: jax.Array, scales: jax.Array) -> jax.Array:

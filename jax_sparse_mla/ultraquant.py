@@ -59,8 +59,8 @@ _IMPLEMENTATIONS = {
         }.items()
     },
 }
-# exact_q=True (the float32 rotated q; also fn(..., exact_q=True)): the gfx950 kernels take q
-# in e4m3 only, so implementation=None runs "xla" on ROCm.
+# The implementations of exact_q=True (the float32 rotated q), called with exact_q=True: the
+# gfx950 kernels take q in e4m3 only, so implementation=None runs "xla" on ROCm.
 _EXACT_Q_IMPLEMENTATIONS = {
     "xla": ultraquant_decode_xla,
     "pallas": _IMPLEMENTATIONS["pallas"],

@@ -495,6 +495,10 @@ def attn_atol(n_keys, v_absmax, score_abs):
       error is a random walk of D roundings of partial sums (each <= score_abs = sm_scale *
       sum|q_i k_i|), i.e. ~ 2^-24 * sqrt(D) * rms(partial sum) ~ 2^-24 * score_abs; we allow 4x.
       A score error ds moves the output by <= 2 * ds * max|V| (sum p_k |v_k - out| <= 2 max|V|).
+    (UltraQuant's scores: the e4m3 q8_i times the fp4 K_i are exact products, so only the f32
+    sum over the 256 dims is budgeted; with ``exact_q`` the library's float32 rotation of q
+    (8 butterfly roundings per dim, a random walk) moves each score by ~2^-24 score_abs,
+    inside the same 4x.)
     A bug such as rounding q, K, the rotated q or the scores to bf16 (2^-9 relative per element)
     gives a score error ~2^-9 * score_abs / sqrt(D) ~ 2^15 / 24 ~ 1000x this score budget
     (tests check that such errors are caught).

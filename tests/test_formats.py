@@ -427,7 +427,7 @@ def test_ultraquant_store_subnormal_rows(eager):
     """K and V rows of subnormal values (~3e-39, and a few 2^-149 multiples) stored byte for
     byte as the oracle's exact rotation and quantizer give them, although XLA:CPU flushes
     subnormals: the rotation prescales each row (its K rotates to normal values ~5e-38), the
-    quantizer scales through integer mantissas."""
+    quantizer divides by its scale on the bits."""
     r = C.rng(45)
     k = _subnormal_rows(r, 4, 2, 2.0**-133)
     v = _subnormal_rows(r, 4, 2, 2.0**-133)

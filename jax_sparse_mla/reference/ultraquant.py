@@ -18,9 +18,8 @@ def round_e4m3(x: jax.Array) -> jax.Array:
     at ±448; NaN stays NaN), as float32.
 
     Derivative: straight-through, 1 where ``|x| <= 448`` and 0 past it (where the value is
-    the constant ±448). The rounding's own derivative is 0 almost everywhere, which would
-    make q's gradient vanish; the straight-through rule gives the exact-q attention's
-    gradient wherever q does not saturate.
+    the constant ±448): the cotangent of the rounded value passes to ``x`` unchanged. The
+    rounding's own derivative is 0 almost everywhere, which would make q's gradient vanish.
     """
     return rounded(jnp.clip(x, -FP8_MAX, FP8_MAX), jnp.float8_e4m3fn)
 
