@@ -282,6 +282,21 @@ def test_ultraquant_store_random_kv():
     assert_bytes_equal(got.reshape(nb * bs, hk, 272), want, "ultraquant_store")
 
 
+def test_ldexp_exact():
+    """``x * 2^n`` rounded once, from the bits: float32 values over the whole range (subnormals,
+    zeros of both signs, inf, NaN) times 2^n for n from -300 to 300, against NumPy's ldexp in
+    float64 rounded to float32 (a correctly rounded reference: the float64 product is exact)."""
+    r = C.rng(46)
+    x = r.standard_normal(4000) * 2.0 ** r.integers(-160, 128, 4000)
+    x = np.concatenate([x, [0.0, -0.0, np.inf, -np.inf, np.nan, 2.0**-149, -(2.0**-149)]])
+    with np.errstate(over="ignore"):
+        x = x.astype(np.float32)
+        for n in (-300, -200, -150, -149, -126, -25, -1, 0, 1, 24, 126, 150, 200, 300):
+            got = np.asarray(jax.jit(F.ldexp_exact)(jnp.asarray(x), jnp.int32(n)))
+            want = np.ldexp(x.astype(np.float64), n).astype(np.float32)
+            np.testing.assert_array_equal(got.view(np.uint32) == want.view(np.uint32), True, n)
+
+
 def test_ultraquant_rotate_exact():
     r = C.rng(9)
     k, _ = exact_kv(r, 6, 2)
