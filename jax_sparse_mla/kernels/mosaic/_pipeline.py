@@ -300,16 +300,16 @@ _FP4_ORDER = (0, 2, 4, 1, 3)
 
 
 def fp4_q(pieces, hbs: int, m: int):
-    """UltraQuant q operand: [G, n, R, 256] bf16 (n pieces of the rotated q) -> [G, hbs,
-    FP4_SLICES, n * m, FP4_WORDS] with rows padded to hbs * m: operand 8k + n holds the dims
-    ``_fp4_operand`` puts in K operand n of slice k, for the m rows of each piece in turn (one
-    wgmma of N = n * m scores every piece)."""
-    g, n, r, _ = pieces.shape
+    """UltraQuant q operand: [G, count, R, 256] bf16 (``count`` pieces of the rotated q) ->
+    [G, hbs, FP4_SLICES, count * m, FP4_WORDS] with rows padded to hbs * m: operand 8k + n
+    holds the dims ``_fp4_operand`` puts in K operand n of slice k, for the m rows of each
+    piece in turn (one wgmma of N = count * m scores every piece)."""
+    g, count, r, _ = pieces.shape
     x = jnp.pad(pieces, ((0, 0), (0, 0), (0, m * hbs - r), (0, 0)))
-    x = x.reshape(g, n, hbs, m, CONSUMERS, 8, 2, 2, 4)
+    x = x.reshape(g, count, hbs, m, CONSUMERS, 8, 2, 2, 4)
     operand_axes, column_axes = _FP4_ORDER[:3], _FP4_ORDER[3:]  # (k, a, b) and (p, e)
     x = x.transpose(0, 2, *(4 + a for a in operand_axes), 1, 3, *(4 + a for a in column_axes))
-    return x.reshape(g, hbs, FP4_SLICES, n * m, FP4_WORDS)
+    return x.reshape(g, hbs, FP4_SLICES, count * m, FP4_WORDS)
 
 
 def unpermute_fp4(o):
