@@ -1,11 +1,13 @@
 """jax_sparse_mla: DeepSeek-V3.2 / Kimi-K3 style attention ops for JAX.
 
 Ops (each works under ``jax.jit`` and ``jax.vmap``; ``implementation=None`` picks the best
-available, ``"xla"`` is the exact jax-native implementation that runs everywhere):
+available, ``"xla"`` the jax-native one that runs everywhere, each op computed exactly in
+float32):
 
 - ``sparse_mla``: sparse MLA over fp8_ds_mla records with a CSR index stream.
 - ``mla_decode`` / ``mla_decode_partials`` / ``merge_attn_states``: split-KV MLA decode.
-- ``ultraquant_decode``: GQA decode over a 4-bit UltraQuant paged cache.
+- ``ultraquant_decode``: GQA decode over a 4-bit UltraQuant paged cache (q rotated and rounded
+  to e4m3, as the format's own implementations compute it; ``exact_q=True`` keeps it float32).
 - ``*_sharded``: each op over a device mesh (heads, rows / requests, KV context), ``sharding``.
 
 Record writers and readers live in ``jax_sparse_mla.formats`` and are re-exported here.

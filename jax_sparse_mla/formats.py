@@ -7,8 +7,9 @@ e4m3fn (never FNUZ); docs/formats.md describes the layouts and rules.
 
 Bit-exactness notes (XLA on CPU flushes subnormal floats to zero and its ``exp2`` is not exact at
 integers): powers of two are built from exponent bits, ``ceil(log2)`` and ``round(log2)`` are read
-off the float32 bits, and the UltraQuant quantizer scales subnormal inputs through their integer
-mantissa, so the bytes match an exact (float64) reading of the rules for every input.
+off the float32 bits, and the UltraQuant rotation's prescale and the quantizer's division by
+its power-of-two scale are done on the bits (``ldexp_exact``), so the bytes match an exact
+(float64) reading of the rules for every input.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ _E2M1_MIDPOINTS = (_E2M1_LEVELS[1:] + _E2M1_LEVELS[:-1]) / 2
 E2M1_CODE_VALUES = np.array(
     [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32
 )
+_E2M1_ZERO_LEVEL = 7  # index of level 0 (code 0x0)
+_UQ_ZERO_AMAX_BITS = 3  # 0.156 * amax rounds to 0 in float32 up to amax = 3 * 2^-149
 _SQRT2_MANTISSA = 0x3504F4  # smallest 23-bit mantissa m with 1 + m / 2^23 >= sqrt(2)
 _UQ_COMPUTE_SCALE = np.float32(0.156)
 
@@ -309,11 +312,43 @@ def hadamard_transform(x: jax.Array) -> jax.Array:
     return y.reshape(*lead, n)
 
 
+def ldexp_exact(x: jax.Array, n: jax.Array) -> jax.Array:
+    """``x * 2**n`` rounded once (to nearest even) for float32 ``x`` and int32 ``n``, from the
+    bits: exact for subnormal inputs and results (flush-to-zero arithmetic never sees them).
+    Past float32's range the result is ±inf; ±0, ±inf and NaN stay as they are."""
+    bits = _f32_bits(x)
+    mag = bits & 0x7FFFFFFF
+    biased = mag >> 23
+    # x = sig * 2^(q - 150), sig normalized to [2^23, 2^24) (subnormals shifted up)
+    sig = jnp.where(biased > 0, (mag & 0x7FFFFF) | 0x800000, mag)
+    up = jnp.maximum(jax.lax.clz(sig) - 8, 0)
+    sig = sig << up
+    q = jnp.maximum(biased, 1) - up + n
+    normal = (q << 23) + (sig & 0x7FFFFF)  # q in [1, 254]
+    shift = jnp.clip(1 - q, 1, 25)  # q < 1: a subnormal result, sig >> shift rounded to even
+    kept = sig >> shift
+    rest = sig - (kept << shift)
+    half = 1 << (shift - 1)
+    kept = kept + ((rest > half) | ((rest == half) & ((kept & 1) == 1))).astype(jnp.int32)
+    out = jnp.where(q >= 255, 0x7F800000, jnp.where(q >= 1, normal, kept))
+    out = jnp.where((mag == 0) | (biased == 255), mag, out)
+    return jax.lax.bitcast_convert_type(out | (bits & jnp.int32(-0x80000000)), jnp.float32)
+
+
+# A row's prescale brings its largest magnitude to [2^118, 2^119): the butterflies' partial
+# sums (up to 256 of them) stay below 2^127.
+_ROTATE_TOP = 118
+
+
 def ultraquant_rotate(x: jax.Array) -> jax.Array:
     """The UltraQuant rotation ``H x / 16`` (orthonormal, natural Sylvester column order).
 
     Applied to K by ``ultraquant_store`` and to q by ``ultraquant_decode``; it cancels in
-    ``q·k``. K is stored in this order: no column permutation.
+    ``q·k``. K is stored in this order: no column permutation. Each row is scaled by a power
+    of two (its largest magnitude to [2^118, 2^119)) before the float32 butterflies and back
+    after them (``ldexp_exact``), so that subnormal inputs and results are kept even where
+    arithmetic flushes them (XLA:CPU): only values below 2^-244 of their row's largest
+    magnitude can be flushed. A row holding ±inf or NaN is not scaled.
 
     Args:
       x: [..., 256] float.
@@ -321,7 +356,23 @@ def ultraquant_rotate(x: jax.Array) -> jax.Array:
       [..., 256] float32.
     """
     check_array("ultraquant_rotate", "x", x, last_dims=(UQ_HEAD_DIM,))
-    return hadamard_transform(x) * jnp.float32(1.0 / 16.0)
+    return _rotate(x.astype(jnp.float32))
+
+
+@jax.custom_jvp
+def _rotate(x: jax.Array) -> jax.Array:
+    amax = _abs_max_bits(x, axis=-1)[..., None]
+    top = jnp.where(amax >= 0x00800000, (amax >> 23) - 127, -118 - jax.lax.clz(amax))
+    shift = jnp.where((amax == 0) | (amax >= 0x7F800000), 0, _ROTATE_TOP - top)
+    return ldexp_exact(hadamard_transform(ldexp_exact(x, shift)), -shift - 4)
+
+
+@_rotate.defjvp
+def _rotate_jvp(primals, tangents):
+    """The rotation is linear: its derivative is itself, H/16 (the prescale's bit operations
+    have no derivative of their own)."""
+    (x,), (t,) = primals, tangents
+    return _rotate(x), hadamard_transform(t) * jnp.float32(1.0 / 16.0)
 
 
 def ultraquant_quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -330,12 +381,11 @@ def ultraquant_quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     Not differentiable (codes and scale bytes: ``jax.grad`` through it is zero).
 
     Per group: ``e = floor(log2(0.156 * amax) + 0.5)`` (float32 product, exact log2), clamped
-    to [-126, 127], scale byte ``e + 127`` (0 for an all-zero group); each value ``y = x / 2^e``
-    becomes the E2M1 level ``levels[sum(y > midpoints)]`` (ties to the lower level, ±6
-    saturation, zero as code 0). Non-finite values follow the same rule: a group holding ±inf
-    or NaN has amax = inf / NaN, so its exponent clamps to 127 (byte 254); ±inf then saturates
-    to ±6 (code 0x7 / 0xF), a NaN (``NaN > m`` is false for every midpoint) becomes the lowest
-    level, -6 (0xF), and the group's finite values become 0.
+    to [-126, 127] (an underflowing scale is 2^-126, byte 1), scale byte ``e + 127``; each
+    value ``y = x / 2^e`` becomes the E2M1 level ``levels[sum(y > midpoints)]`` (ties to the
+    lower level, ±6 saturation, zero as code 0). A zero group (scale byte 0, codes 0) is one
+    whose float32 ``0.156 * amax`` is 0 (amax <= 3 * 2^-149) or not finite (the group holds
+    ±inf or NaN), as in vLLM's torch reference (docs/formats.md).
 
     Args:
       x: [..., 256] float.
@@ -350,30 +400,16 @@ def ultraquant_quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     e = ((t_bits >> 23) & 0xFF) - 127 + ((t_bits & 0x7FFFFF) >= _SQRT2_MANTISSA).astype(jnp.int32)
     e = jnp.where(t_bits < 0x00800000, -126, e)  # 0.156 * amax below the normal range
     e = jnp.clip(e, -126, 127)
-    scale_bytes = jnp.where(amax_bits == 0, 0, e + 127).astype(jnp.uint8)
+    # a zero group: 0.156 * amax is 0 in float32 (amax <= 3 * 2^-149) or not finite
+    zero = (amax_bits <= _UQ_ZERO_AMAX_BITS) | (amax_bits >= 0x7F800000)
+    scale_bytes = jnp.where(zero, 0, e + 127).astype(jnp.uint8)
 
-    y = _divide_by_pow2(groups, e[..., None])
+    y = ldexp_exact(groups, -e[..., None])  # exact, subnormals included
     level = jnp.sum(y[..., None] > jnp.asarray(_E2M1_MIDPOINTS), axis=-1)
+    level = jnp.where(zero[..., None], _E2M1_ZERO_LEVEL, level)
     codes = jnp.asarray(_E2M1_LEVEL_CODES)[level].reshape(*x.shape[:-1], UQ_HEAD_DIM)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed.astype(jnp.uint8), scale_bytes
-
-
-def _divide_by_pow2(x: jax.Array, e: jax.Array) -> jax.Array:
-    """Exact ``x / 2^e`` for float32 ``x`` (subnormals included) and int32 ``e`` in [-126, 127].
-
-    Normal ``x`` divide directly; a subnormal ``x`` is ``mantissa * 2^-149``, scaled from its
-    integer mantissa so that flush-to-zero hardware does not turn it into 0. Results below the
-    normal range become 0, which quantizes the same. ±inf and NaN stay as they are (XLA may
-    divide by multiplying with 2^-e, which flushes to 0 for e = 127: inf x 0 would be NaN).
-    """
-    bits = _f32_bits(x)
-    mag = bits & 0x7FFFFFFF
-    normal = jnp.where(mag >= 0x7F800000, x, x / pow2(e))
-    k = -149 - e
-    sub = mag.astype(jnp.float32) * jnp.where(k >= -126, pow2(jnp.maximum(k, -126)), 0.0)
-    sub = jnp.where(bits < 0, -sub, sub)
-    return jnp.where(mag < 0x00800000, sub, normal)
 
 
 def ultraquant_dequantize(codes: jax.Array, scales: jax.Array) -> jax.Array:
@@ -439,9 +475,9 @@ def ultraquant_store(
 
     K is rotated (``ultraquant_rotate``: H/16, natural column order) in float32 and quantized
     per 32-group of rotated dims (32g .. 32g+31); V is quantized as given. Bytes past 272 of a
-    slot (padding) are left as they are. Non-finite values follow ``ultraquant_quantize``'s
-    rule (±inf saturates to ±6 with its sign, NaN becomes -6, under scale byte 254); a
-    non-finite K value spreads over the rotated dims first (inf - inf is NaN).
+    slot (padding) are left as they are. A group holding ±inf or NaN is stored as a zero
+    group (``ultraquant_quantize``); a non-finite K value spreads over every rotated dim first,
+    so its whole K is zero.
 
     Args:
       cache: [num_blocks, block_size, Hk, slot_bytes] uint8, slot_bytes >= 272, multiple of 4.

@@ -38,6 +38,9 @@ DEFAULT_SM_SCALE = 1.0 / 16.0
 # implementation=None: the FlyDSL kernels on gfx950 (ROCm), the Mosaic GPU kernel on Hopper
 # itself (the Pallas one past it, or for shapes the Mosaic kernel does not take), "xla"
 # everywhere else. Every gradient is the "xla" path's.
+_CUDA_CHOICE = hopper_or(
+    ultraquant_decode_kernel, ultraquant_decode_xla, mosaic_or(ultraquant_decode_kernel)
+)
 _IMPLEMENTATIONS = {
     "xla": ultraquant_decode_xla,
     **{
@@ -49,11 +52,7 @@ _IMPLEMENTATIONS = {
             "flydsl": ultraquant_decode_flydsl,
             None: by_platform(
                 default=ultraquant_decode_xla,
-                cuda=hopper_or(
-                    ultraquant_decode_kernel,
-                    ultraquant_decode_xla,
-                    mosaic_or(ultraquant_decode_kernel),
-                ),
+                cuda=_CUDA_CHOICE,
                 rocm=gfx950_or(
                     ultraquant_decode_flydsl,
                     ultraquant_decode_xla,
@@ -63,6 +62,16 @@ _IMPLEMENTATIONS = {
             ),
         }.items()
     },
+}
+# The implementations of exact_q=True (the float32 rotated q), called with exact_q=True: the
+# gfx950 kernels take q in e4m3 only, so implementation=None runs "xla" on ROCm.
+_EXACT_Q_IMPLEMENTATIONS = {
+    "xla": ultraquant_decode_xla,
+    "pallas": _IMPLEMENTATIONS["pallas"],
+    "mosaic": _IMPLEMENTATIONS["mosaic"],
+    None: with_exact_gradient(
+        by_platform(default=ultraquant_decode_xla, cuda=_CUDA_CHOICE), ultraquant_decode_xla
+    ),
 }
 
 
@@ -76,17 +85,22 @@ def ultraquant_decode(
     num_partitions: int | None = None,
     implementation: str | None = None,
     validate: bool = False,
+    exact_q: bool = False,
 ) -> jax.Array:
     """GQA decode against an UltraQuant cache written by ``ultraquant_store``.
 
     Query head h reads KV head ``h // G`` (``Hq = Hk * G``). Token j < seq_len of request b is
-    slot ``(block_tables[b, j // block_size], j % block_size)``. The rotation of K is cancelled
-    by rotating q inside the op, so the output is in V's own space. A block-table entry outside
+    slot ``(block_tables[b, j // block_size], j % block_size)``. q is rotated as K was (H/16,
+    so the rotation cancels in q.K and the output is in V's own space) and then rounded to
+    e4m3 (OCP e4m3fn, nearest even, saturating at ±448), as UltraQuant's own implementations
+    (vLLM's kernels and reference attention) compute it; ``exact_q=True`` keeps the float32
+    rotated q instead (docs/semantics.md). A block-table entry outside
     [0, num_blocks) masks its tokens; ``seq_lens`` is clamped to [0, max_blocks * block_size]; a
     request with no key gives 0. Every argument may be a jax or a numpy array; zero-size inputs
     (0 requests, query heads, blocks or block slots) give the empty or zero result.
     Differentiable w.r.t. ``q`` and a traced ``sm_scale`` with every implementation (the
-    gradient is always the exact "xla" path's).
+    gradient is always the "xla" path's; through the e4m3 rounding of q it is
+    straight-through, 0 where the rotated q saturates past ±448).
 
     Args:
       q: [B, Hq, 256] bfloat16, not rotated.
@@ -101,16 +115,18 @@ def ultraquant_decode(
         "mosaic"): for "xla" partition p owns the tile-groups p, p + P, ..., for "pallas" and
         "mosaic" a contiguous run of tokens; the partitions are reduced in float32 at the end,
         so the answer does not depend on P.
-      implementation: None (the FlyDSL kernels on an MI355; on a Hopper GPU the Mosaic GPU
-        kernel, or the Pallas one past 32 query heads per KV head or for a slot_bytes that is
-        not a multiple of 16; the Pallas kernel on later NVIDIA GPUs; "xla" elsewhere), "xla",
-        "pallas" (compiled on CUDA, Pallas interpret mode elsewhere), "mosaic" (the Mosaic GPU
-        kernel: NVIDIA Hopper only, the same numerics as "pallas"; NotImplementedError for the
-        shapes above), "flydsl" or "gfx950_emulation" (the gfx950 kernels' own arithmetic in
-        jnp, every platform).
+      implementation: None (the FlyDSL kernels on an MI355, "xla" there with ``exact_q``; on
+        a Hopper GPU the Mosaic GPU kernel, or the Pallas one past 32 query heads per KV head
+        or for a slot_bytes that is not a multiple of 16; the Pallas kernel on later NVIDIA
+        GPUs; "xla" elsewhere), "xla" (the op computed exactly in float32), "pallas"
+        (compiled on CUDA, Pallas interpret mode elsewhere), "mosaic" (the Mosaic GPU kernel:
+        NVIDIA Hopper only, the same numerics as "pallas"; NotImplementedError for the shapes
+        above), "flydsl" or "gfx950_emulation" (the gfx950 kernels' own arithmetic in jnp,
+        every platform); these two do not serve ``exact_q`` (NotImplementedError).
       validate: run ``validate_ultraquant_decode``'s data checks (ValueError on concrete
         inputs or inside ``checked``; otherwise under ``jax.jit`` a
         ``jax.errors.JaxRuntimeError`` with the same message).
+      exact_q: score with the float32 rotated q (no e4m3 rounding); static.
     Returns:
       [B, Hq, 256] bfloat16.
     """
@@ -118,14 +134,31 @@ def ultraquant_decode(
     _check_static(op, q, cache, block_tables, seq_lens)
     check_positive_int(op, "num_partitions", num_partitions, allow_none=True)
     scale = check_scalar(op, "sm_scale", sm_scale)
-    impl = resolve_implementation(op, implementation, _IMPLEMENTATIONS)
+    if not isinstance(exact_q, bool):
+        raise TypeError(f"{op}: exact_q must be a bool (static), got {type(exact_q).__name__}")
+    if exact_q and implementation in ("gfx950_emulation", "flydsl"):
+        raise NotImplementedError(
+            f"{op}: implementation={implementation!r} rounds q to e4m3 in its kernel; "
+            "exact_q=True runs with 'xla', 'pallas' or 'mosaic'"
+        )
+    table = _EXACT_Q_IMPLEMENTATIONS if exact_q else _IMPLEMENTATIONS
+    impl = resolve_implementation(op, implementation, table)
     q, cache, block_tables, seq_lens = as_jax(q, cache, block_tables, seq_lens)
     if validate:
         checks = _data_checks(block_tables, seq_lens, cache.shape[0], cache.shape[1])
         seq_lens = run_data_checks(checks, seq_lens)
     if q.size == 0 or cache.size == 0:  # no key anywhere: nothing to compute or launch
         return jnp.zeros(q.shape, jnp.bfloat16)
-    return impl(q, cache, block_tables, seq_lens, sm_scale=scale, num_partitions=num_partitions)
+    options = {"exact_q": True} if exact_q else {}
+    return impl(
+        q,
+        cache,
+        block_tables,
+        seq_lens,
+        sm_scale=scale,
+        num_partitions=num_partitions,
+        **options,
+    )
 
 
 def _check_static(op, q, cache, block_tables, seq_lens) -> None:

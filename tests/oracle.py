@@ -227,12 +227,11 @@ def uq_quantize(x) -> tuple[np.ndarray, np.ndarray]:
     g = x.reshape(*lead, 8, 32)
     amax = np.max(np.abs(g), axis=-1)  # float32
     t = (np.float32(0.156) * amax).astype(np.float32)  # float32 multiply (subnormals kept)
-    zero = amax == 0
-    ok = (t > 0) & np.isfinite(t)
-    e = _floor_log2_plus_half_exact(np.where(ok, t, np.float32(1.0)))
-    e = np.where(t == 0, -126, e)  # 0.156 * amax underflowed to 0: log2 = -inf -> clamp
-    e = np.where(np.isfinite(t), e, 127)  # amax +inf or NaN: log2 +inf / NaN -> clamp to 127
-    e = np.clip(e, -126, 127)
+    # vLLM's torch reference: a scale that is 0 (amax 0, or 0.156 * amax underflowing to 0)
+    # or not finite (the group holds +-inf or NaN) makes a zero group: byte 0, codes +0
+    zero = (t == 0) | ~np.isfinite(t)
+    e = _floor_log2_plus_half_exact(np.where(zero, np.float32(1.0), t))
+    e = np.clip(e, -126, 127)  # an underflowing scale is 2^-126 (byte 1)
     e = np.where(zero, 0, e)
     sbyte = np.where(zero, 0, e + 127).astype(np.uint8)
     y = g.astype(np.float64) / np.ldexp(1.0, e)[..., None]  # == the float32 division (exact)
@@ -243,14 +242,15 @@ def uq_quantize(x) -> tuple[np.ndarray, np.ndarray]:
 
 
 def uq_dequantize(packed, sbytes) -> np.ndarray:
-    """(uint8 [..., 128], uint8 [..., 8]) -> float64 [..., 256]. Scale byte b means 2^(b-127)."""
+    """(uint8 [..., 128], uint8 [..., 8]) -> float64 [..., 256]. Scale byte b means 2^(b-127),
+    0 a zero group."""
     packed = np.asarray(packed, dtype=np.uint8)
     lo = packed & 0xF
     hi = packed >> 4
     codes = np.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], UQ_D)
     vals = E2M1_TABLE[codes].reshape(*packed.shape[:-1], 8, 32)
     sb = np.asarray(sbytes, dtype=np.uint8).astype(np.int64)
-    s = np.where(sb == 255, np.nan, np.ldexp(1.0, sb - 127))
+    s = np.where(sb == 255, np.nan, np.where(sb == 0, 0.0, np.ldexp(1.0, sb - 127)))
     return (vals * s[..., None]).reshape(*packed.shape[:-1], UQ_D)
 
 
@@ -438,10 +438,21 @@ def merge_attn_states(o_parts, lse_parts):
     return o, lse
 
 
-def ultraquant_decode(q, cache, block_tables, seq_lens, sm_scale=1 / 16, stats=False):
+def uq_query(q, exact_q=False) -> np.ndarray:
+    """The query ultraquant_decode scores with (the format's definition, as vLLM's reference
+    attention computes it): q [..., 256] rotated exactly by H/16, then rounded to e4m3fn (nearest
+    even, saturating at +-448, NaN stays NaN) unless ``exact_q``. float64, rotated dims."""
+    q_rot = uq_rotate_exact(to_f64(q))
+    return q_rot if exact_q else e4m3_decode(e4m3_encode(q_rot))
+
+
+def ultraquant_decode(
+    q, cache, block_tables, seq_lens, sm_scale=1 / 16, stats=False, exact_q=False
+):
     """q [B, Hq, 256] (exact values) -> out [B, Hq, 256] float64 (no lse: the op has none).
-    Also returns lse [B, Hq] (for diagnostics)."""
-    q = to_f64(q)
+    Also returns lse [B, Hq] (for diagnostics). Scores are ``uq_query(q) . K`` in the rotated
+    (stored) dims; the stats' score_abs is ``sm_scale max_k sum_i |q_i K_i|`` there."""
+    q = uq_query(q, exact_q)
     bsz, hq, d = q.shape
     assert d == UQ_D
     cache = np.asarray(cache, dtype=np.uint8)
@@ -460,8 +471,7 @@ def ultraquant_decode(q, cache, block_tables, seq_lens, sm_scale=1 / 16, stats=F
         ok = (blk >= 0) & (blk < nb)
         j, blk = j[ok], blk[ok]
         slots = cache[blk, j % bs]  # [n, Hk, slot]
-        k_st, v = uq_unpack(slots[..., :UQ_SLOT_MIN])
-        k = uq_unrotate(k_st)  # [n, Hk, 256] original space
+        k, v = uq_unpack(slots[..., :UQ_SLOT_MIN])  # [n, Hk, 256], K rotated
         for kh in range(hk):
             hs = slice(kh * g, (kh + 1) * g)
             out[b, hs], lse[b, hs] = _attend(q[b, hs], k[:, kh], v[:, kh], sm_scale)
@@ -485,6 +495,10 @@ def attn_atol(n_keys, v_absmax, score_abs):
       error is a random walk of D roundings of partial sums (each <= score_abs = sm_scale *
       sum|q_i k_i|), i.e. ~ 2^-24 * sqrt(D) * rms(partial sum) ~ 2^-24 * score_abs; we allow 4x.
       A score error ds moves the output by <= 2 * ds * max|V| (sum p_k |v_k - out| <= 2 max|V|).
+    (UltraQuant's scores: the e4m3 q8_i times the fp4 K_i are exact products, so only the f32
+    sum over the 256 dims is budgeted; with ``exact_q`` the library's float32 rotation of q
+    (8 butterfly roundings per dim, a random walk) moves each score by ~2^-24 score_abs,
+    inside the same 4x.)
     A bug such as rounding q, K, the rotated q or the scores to bf16 (2^-9 relative per element)
     gives a score error ~2^-9 * score_abs / sqrt(D) ~ 2^15 / 24 ~ 1000x this score budget
     (tests check that such errors are caught).

@@ -1,7 +1,8 @@
 """Tolerance of the Pallas kernels against the float64 oracle (tests/oracle.py).
 
 The kernels compute q·K exactly as products (bf16 q, fp8 / fp4 codes converted to bf16 exactly,
-the float32 rotated q of UltraQuant as three exact bf16 pieces) with float32 accumulation, keep
+UltraQuant's e4m3 rotated q exact in bf16, or its float32 one (``exact_q``) as three exact bf16
+pieces) with float32 accumulation, keep
 the softmax in float32, and round P to bf16 before P @ V. That one rounding adds, per output
 element, at most ``2^-8 * sum_k p_k |v_k| / l <= 2^-8 * max|V|`` (bf16 unit roundoff 2^-8 on
 each p_k; l sums the unrounded p). The lse does not see it (l uses the unrounded p), so the lse

@@ -1,14 +1,13 @@
 """The gfx950 ultraquant_decode emulation (partials + reduce) against the float64 oracle and "xla".
 
-The kernel attends with its own query ``q8 = e4m3(clamp(H q / 16, +-448))`` in the natural
-rotated order K is stored in (the "haircut"; ``kernel_query`` computes it exactly with the
-oracle's codecs). The haircut is by far
-the largest difference from exact attention (3 significant bits per rotated element: a score
-error of order ``2^-5 sm_scale sqrt(sum_i q_i^2 k_i^2)``), and it is deterministic, so the tests
-compare with the float64 oracle evaluated on ``q8`` (``oracle_on``), check that the emulation's
-query is exactly ``q8``, and bound what is left. Per output element (request, head, dim d),
-with the oracle's weights ``w_k`` over the n valid keys, ``A_d = sum_k w_k |V_kd|``,
-``M = max |V|`` and ``S = sm_scale max_k sum_i |q8_i k_i|`` (rotated dims):
+The op's query is ``q8 = e4m3(clamp(H q / 16, +-448))`` in the natural rotated order K is
+stored in (``oracle.uq_query``: the definition, as UltraQuant's own implementations compute
+it); the kernel computes it with float32 butterflies, which the tests check gives exactly the
+oracle's ``q8`` on their inputs (the oracle rotates exactly; a float32 rotation could only
+differ where it crosses an e4m3 rounding boundary). What is left between the emulation and the
+float64 oracle is the kernel's arithmetic. Per output element (request, head, dim d), with the
+oracle's weights ``w_k`` over the n valid keys, ``A_d = sum_k w_k |V_kd|``, ``M = max |V|``
+and ``S = sm_scale max_k sum_i |q8_i k_i|`` (rotated dims):
 
 * P in bf16 (the dominant term): ``bf16(p) = p (1 + e)``, ``|e| <= 2^-8`` (nearest of 8
   significant bits), and ``L`` sums the unrounded p, so O moves by ``<= 2^-8 A_d``.
@@ -16,20 +15,18 @@ with the oracle's weights ``w_k`` over the n valid keys, ``A_d = sum_k w_k |V_kd
   ``2^-8 sum_p W_p |o_p| / W <= 2^-8 A_d`` (``|o_p| <= A_p``). With P = 1 the reduce gives back
   the same bf16 value (``w o / w`` moves it by f32 ulps, far less than half a bf16 ulp).
 * The final bf16 rounding: ``2^-8 |out|``, i.e. ``2^-8 |ref|`` and ``2^-8`` of the other terms.
-* f32 arithmetic: ``2 oracle.attn_atol(n, M, S)`` with S in the rotated domain plus the
-  oracle's own (its q8 is back in original space, rounded to f32). ``attn_atol`` budgets a
-  score error of ``4 2^-24 S`` and the f32 sums; doubling it covers the exp2 argument
-  ``(s - M') log2e`` (two roundings of a value ``<= 2 S``: ``~2^-22 S``), the emulated exp2
-  (exact integer part, ``<= 2`` ulp fraction), one alpha rescale per 16-token tile, the
-  reduce's weights and the f32 q8 of the oracle.
+* f32 arithmetic: ``2 oracle.attn_atol(n, M, S)``. The products ``q8_i k_i`` are exact in f32
+  (4 and 3 significant bits); ``attn_atol`` budgets the score sum's ``4 2^-24 S`` and the f32
+  softmax sums; doubling it covers the exp2 argument ``(s - M') log2e`` (two roundings of a
+  value ``<= 2 S``: ``~2^-22 S``), the emulated exp2 (exact integer part, ``<= 2`` ulp
+  fraction), one alpha rescale per 16-token tile and the reduce's weights.
 
 So ``|emu - ref| <= 2^-8 |ref| + (1 + 2^-8) ((1 + [P > 1]) 2^-8 A_d + 2 attn_atol)``. The test
 against the exact reference compares per-partition partials the same way (``A`` of the
 partition; the lse within ``2 oracle.lse_atol``). The meta-tests check that the bound fails a
 query paired with K through a column permutation (the removed layout) and one without the
-haircut. The last sections model the kernel's lane layouts and one scaled MFMA per operand bit
-width, writer to scores. ``report`` prints
-the measured distances (``pytest -s``).
+e4m3 rounding. The last sections model the kernel's lane layouts and one scaled MFMA per
+operand bit width, writer to scores. ``report`` prints the measured distances (``pytest -s``).
 """
 
 import functools
@@ -57,51 +54,26 @@ BF16_HALF_ULP = 2.0**-8
 # ---------------------------------------------------------------------------------------------
 
 
-def kernel_query(q) -> np.ndarray:
-    """q8 [..., 256] rotated dims: exact rotation (H/16), saturating RNE e4m3, float64."""
-    return O.e4m3_decode(O.e4m3_encode(O.uq_rotate_exact(O.to_f64(q))))
-
-
-def rotated_score_abs(q8, case, sm_scale=SM) -> np.ndarray:
-    """S = sm_scale max_k sum_i |q8_i k_i| per (request, query head) over the valid keys."""
-    cache = np.asarray(case.cache, np.uint8)
-    nb, bs, hk, _ = cache.shape
-    bt = np.asarray(case.block_tables, np.int64)
-    seq = np.clip(np.asarray(case.seq_lens, np.int64), 0, bt.shape[1] * bs)
-    g = q8.shape[1] // hk
-    out = np.zeros(q8.shape[:2])
-    for b in range(q8.shape[0]):
-        j = np.arange(seq[b])
-        blk = bt[b, j // bs]
-        ok = (blk >= 0) & (blk < nb)
-        k, _ = O.uq_unpack(cache[blk[ok], j[ok] % bs, :, :272])  # [n, Hk, 256] rotated
-        for h in range(hk):
-            if k.shape[0]:
-                dots = np.abs(q8[b, h * g : (h + 1) * g]) @ np.abs(k[:, h]).T
-                out[b, h * g : (h + 1) * g] = sm_scale * dots.max(axis=-1)
-    return out
-
-
 class Reference(NamedTuple):
-    """The float64 oracle on the kernel's query and the terms of the bound."""
+    """The float64 oracle and the terms of the bound."""
 
     out: np.ndarray  # [B, Hq, 256]
     a: np.ndarray  # [B, Hq, 256]: sum_k w_k |V_kd|
     atol: np.ndarray  # [B, Hq, 1]: the f32 budget
     empty: np.ndarray  # [B, Hq]: no valid key
     n_keys: np.ndarray  # [B, Hq]
-    score_abs: np.ndarray  # [B, Hq]: S, rotated plus original domain
+    score_abs: np.ndarray  # [B, Hq]: S (rotated dims)
 
 
-def oracle_on(q8, case, sm_scale=SM) -> Reference:
-    """The float64 oracle with the kernel's query (rotated q8) and the bound's terms."""
-    q_eff = O.uq_unrotate(q8)
+def oracle_on(case, sm_scale=SM, q=None) -> Reference:
+    """The float64 oracle (the op's e4m3 query) for ``case`` (its q, or ``q``) and the bound's
+    terms."""
+    q = case.q if q is None else q
     args = (case.block_tables, case.seq_lens, sm_scale)
-    ref, lse, st = O.ultraquant_decode(q_eff, case.cache, *args, stats=True)
-    a, _ = O.ultraquant_decode(q_eff, B.abs_v_cache(case.cache), *args)
-    g = q8.shape[1] // case.cache.shape[2]
-    n, vmax, s_orig = O.stats_atol(st, ref.shape[:2], heads_per_entry=g)
-    score_abs = rotated_score_abs(q8, case, sm_scale) + s_orig
+    ref, lse, st = O.ultraquant_decode(q, case.cache, *args, stats=True)
+    a, _ = O.ultraquant_decode(q, B.abs_v_cache(case.cache), *args)
+    g = q.shape[1] // case.cache.shape[2]
+    n, vmax, score_abs = O.stats_atol(st, ref.shape[:2], heads_per_entry=g)
     atol = 2 * O.attn_atol(n, vmax, score_abs)
     return Reference(ref, a, atol[..., None], np.isneginf(lse), n, score_abs)
 
@@ -130,13 +102,14 @@ def check(out, r: Reference, num_partitions, what="") -> float:
 
 
 def report(what, out, r: Reference, exact, ratio) -> None:
-    """Measured distances (printed with pytest -s), relative to max|exact|."""
+    """Measured distances (printed with pytest -s), relative to max|ref|; ``exact``: the
+    oracle's exact-q attention."""
     out = O.to_f64(out)
-    scale = np.maximum(np.max(np.abs(exact)), 1e-30)
+    scale = np.maximum(np.max(np.abs(r.out)), 1e-30)
     print(
         f"\n{what}: worst err/bound {ratio:.2f}; relative to max|ref|: "
-        f"max|emu - oracle(q8)| {np.max(np.abs(out - r.out)) / scale:.2e}, "
-        f"max|emu - oracle(q)| {np.max(np.abs(out - exact)) / scale:.2e}, "
+        f"max|emu - oracle| {np.max(np.abs(out - r.out)) / scale:.2e}, "
+        f"max|emu - oracle(exact q)| {np.max(np.abs(out - exact)) / scale:.2e}, "
         f"max 2^-8 A {BF16_HALF_ULP * np.max(r.a) / scale:.2e}"
     )
 
@@ -234,12 +207,12 @@ def make_case(name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_emulation_vs_oracle(name):
     case, num_partitions = make_case(name)
-    q8 = kernel_query(case.q)
-    np.testing.assert_array_equal(np.asarray(_rotate_query(case.q), np.float64), q8)
+    np.testing.assert_array_equal(np.asarray(_rotate_query(case.q), np.float64), O.uq_query(case.q))
     out = run(case, num_partitions)
-    r = oracle_on(q8, case)
+    r = oracle_on(case)
     ratio = check(out, r, num_partitions, what=name)
-    exact, _ = O.ultraquant_decode(case.q, case.cache, case.block_tables, case.seq_lens, SM)
+    args = (case.block_tables, case.seq_lens, SM)
+    exact, _ = O.ultraquant_decode(case.q, case.cache, *args, exact_q=True)
     report(name, out, r, exact, ratio)
 
 
@@ -248,7 +221,7 @@ def test_rotate_query_saturates_and_rounds_to_even():
     q = C.bf16_normal(r, (3, 5, 256), 4.0)
     q = q.at[0, 0].set(jnp.bfloat16(30000.0))  # rotated / 16 far above 448 in some dims
     q8 = np.asarray(_rotate_query(q), np.float64)
-    np.testing.assert_array_equal(q8, kernel_query(q))
+    np.testing.assert_array_equal(q8, O.uq_query(q))
     assert np.max(np.abs(q8)) == 448.0 and np.all(np.isfinite(q8))
 
 
@@ -258,18 +231,16 @@ def test_rotate_query_saturates_and_rounds_to_even():
 
 
 def test_partials_vs_reference():
-    """Per-partition partials against the exact reference's (same partition mapping), both
-    with the kernel's query; idle partitions (no tile) and empty requests included."""
+    """Per-partition partials against the exact reference's (same partition mapping); idle
+    partitions (no tile) and empty requests included."""
     case, num_partitions = make_case("g8_bs256_p5_masked_empty_idle")
-    q8 = kernel_query(case.q)
     reference = jax.jit(
         functools.partial(ultraquant_decode_partials_f32, num_partitions=num_partitions)
     )
 
     def reference_on(cache):
-        q_eff = jnp.asarray(O.uq_unrotate(q8), jnp.float32)
         o, lse = reference(
-            q_eff,
+            case.q,
             jnp.asarray(cache),
             jnp.asarray(case.block_tables),
             jnp.asarray(case.seq_lens),
@@ -280,7 +251,7 @@ def test_partials_vs_reference():
     o_ref, lse_ref = reference_on(case.cache)
     a_ref, _ = reference_on(B.abs_v_cache(case.cache))
     o, m, exp_sum = (O.to_f64(x) for x in run_partials(case, num_partitions))
-    r = oracle_on(q8, case)  # budgets per (request, head): every partition sees fewer keys
+    r = oracle_on(case)  # budgets per (request, head): every partition sees fewer keys
     empty = np.isneginf(lse_ref)
     assert empty.any() and not empty.all()
     assert np.array_equal(np.isneginf(m), empty) and np.all(exp_sum[empty] == 0)
@@ -322,7 +293,7 @@ def test_jit_vmap():
     args = (jnp.asarray(case.cache), jnp.asarray(case.block_tables), jnp.asarray(case.seq_lens))
     batched = jax.jit(jax.vmap(f, in_axes=(0, None, None, None)))(q2, *args)
     for q, out in zip(q2, batched, strict=True):
-        check(out, oracle_on(kernel_query(q), case), num_partitions, what="vmap")
+        check(out, oracle_on(case, q=q), num_partitions, what="vmap")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,14 +312,14 @@ def _with_removed_k_permutation(q):
     return _ROTATE_QUERY(q)[..., REMOVED_K_COLUMN]
 
 
-def _without_haircut(q):
-    return ultraquant_rotate(q)  # the writer's f32 rotation of K: H/16, no e4m3
+def _without_e4m3(q):
+    return ultraquant_rotate(q)  # the float32 rotated q: the exact-q attention
 
 
-@pytest.mark.parametrize("variant", [_with_removed_k_permutation, _without_haircut])
+@pytest.mark.parametrize("variant", [_with_removed_k_permutation, _without_e4m3])
 def test_bound_catches_wrong_query(variant, monkeypatch):
     case, num_partitions = make_case("g8_bs16_p1_masked_clamped_empty")
-    r = oracle_on(kernel_query(case.q), case)
+    r = oracle_on(case)
     check(run(case, num_partitions), r, num_partitions, what="correct")
     monkeypatch.setattr(E, "rotate_query", variant)
     with pytest.raises(AssertionError, match="out of bound"):

@@ -282,6 +282,21 @@ def test_ultraquant_store_random_kv():
     assert_bytes_equal(got.reshape(nb * bs, hk, 272), want, "ultraquant_store")
 
 
+def test_ldexp_exact():
+    """``x * 2^n`` rounded once, from the bits: float32 values over the whole range (subnormals,
+    zeros of both signs, inf, NaN) times 2^n for n from -300 to 300, against NumPy's ldexp in
+    float64 rounded to float32 (a correctly rounded reference: the float64 product is exact)."""
+    r = C.rng(46)
+    x = r.standard_normal(4000) * 2.0 ** r.integers(-160, 128, 4000)
+    x = np.concatenate([x, [0.0, -0.0, np.inf, -np.inf, np.nan, 2.0**-149, -(2.0**-149)]])
+    with np.errstate(over="ignore"):
+        x = x.astype(np.float32)
+        for n in (-300, -200, -150, -149, -126, -25, -1, 0, 1, 24, 126, 150, 200, 300):
+            got = np.asarray(jax.jit(F.ldexp_exact)(jnp.asarray(x), jnp.int32(n)))
+            want = np.ldexp(x.astype(np.float64), n).astype(np.float32)
+            np.testing.assert_array_equal(got.view(np.uint32) == want.view(np.uint32), True, n)
+
+
 def test_ultraquant_rotate_exact():
     r = C.rng(9)
     k, _ = exact_kv(r, 6, 2)
@@ -399,6 +414,76 @@ def test_ultraquant_store_tiny_v_group_clamp():
     assert_bytes_equal(got[0, 0, :, 136:264], wc[0], "V codes")
 
 
+def test_ultraquant_quantize_scale_underflow():
+    """A group whose scale underflows: 0.156 * amax below 2^-126 clamps to byte 1 (2^-126) with
+    the codes of x / 2^-126, as vLLM's torch reference writes (its Triton store writes byte 0);
+    where the float32 product is 0 (amax <= 3 * 2^-149) the group is a zero group (byte 0), as
+    in the torch reference."""
+    tiny = np.float32(2.0**-149)
+    amax = np.float32([1, 2, 3, 4, 5, 2**20, 2**22, 2**23]) * tiny  # subnormal to 2^-126
+    x = np.zeros((1, 256), np.float32)
+    for g, a in enumerate(amax):
+        x[0, 32 * g : 32 * g + 3] = [a, -a, a / 2]
+    codes, scales = uq_quantize(jnp.asarray(x))
+    w_codes, w_scales = O.uq_quantize(x)
+    assert_bytes_equal(scales, w_scales, "scales")
+    assert_bytes_equal(codes, w_codes, "codes")
+    np.testing.assert_array_equal(w_scales[0], [0, 0, 0, 1, 1, 1, 1, 1])
+    assert np.all(w_codes[0, :48] == 0) and w_codes[0, 112] == 0xA2  # y = 1, -1
+
+
+def _subnormal_rows(r, t, hk, scale):
+    """bf16 rows of random multiples of ``scale`` (subnormal float32 values for a tiny scale)."""
+    return C.to_bf16(r.integers(-127, 128, (t, hk, 256)) * scale)
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_ultraquant_store_subnormal_rows(eager):
+    """K and V rows of subnormal values (~3e-39, and a few 2^-149 multiples) stored byte for
+    byte as the oracle's exact rotation and quantizer give them, although XLA:CPU flushes
+    subnormals: the rotation prescales each row (its K rotates to normal values ~5e-38), the
+    quantizer divides by its scale on the bits."""
+    r = C.rng(45)
+    k = _subnormal_rows(r, 4, 2, 2.0**-133)
+    v = _subnormal_rows(r, 4, 2, 2.0**-133)
+    k = k.at[3, 1].set(_subnormal_rows(r, 1, 1, 2.0**-149)[0, 0])
+    v = v.at[3, 1].set(_subnormal_rows(r, 1, 1, 2.0**-149)[0, 0])
+    assert np.all(np.abs(np.asarray(k, np.float32)) < 2.0**-126)
+    cache0 = C.garbage_cache(r, 2, 2, 2)
+    slots = np.int32([0, 3, 1, 2])
+    store = jsm.ultraquant_store if eager else uq_store
+    got = np.asarray(store(jnp.asarray(cache0), k, v, slots))
+    want = O.ultraquant_store(cache0, np.asarray(k, np.float64), np.asarray(v, np.float64), slots)
+    assert_bytes_equal(got, want, "ultraquant_store subnormal rows")
+    k_back, v_back = O.uq_unpack(got)
+    assert np.count_nonzero(k_back) > 1000 and np.count_nonzero(v_back) > 1000
+    rotated = np.asarray(rotate_k(k), np.float64)
+    np.testing.assert_array_equal(rotated, O.uq_rotate_exact(np.asarray(k, np.float64)))
+
+
+def test_ultraquant_rotate_prescale_limits():
+    """Rows at float32's ends rotate exactly: a row of 2^127-sized values (its partial sums
+    would overflow without the prescale, its rotation fits) and one of subnormals rotating to
+    subnormals. A row mixing 2^100 and 2^-145 keeps only what lies within 2^-244 of its
+    largest magnitude: the tiny value may be flushed before the butterflies."""
+    big = np.zeros((3, 256), np.float32)
+    big[0, :8] = 2.0**127  # partial sums up to 2^130, the rotated values up to 2^126
+    big[0, 8:16] = -(2.0**126)
+    big[1, :3] = [2.0**-140, -(2.0**-140), 3 * 2.0**-140]  # rotates to +-{1, 3, 5} 2^-144
+    big[2, :2] = [2.0**100, 2.0**100]
+    big[2, 2] = 2.0**-145  # 2^-244 below 2^100 is 2^-144: flushable
+    got = np.asarray(rotate_k(jnp.asarray(big)), np.float64)
+    want = O.uq_rotate_exact(big.astype(np.float64)).astype(np.float32)
+    np.testing.assert_array_equal(got[:2], want[:2])
+    assert np.all(np.isfinite(got)) and np.count_nonzero(got[1]) == 256
+    # row 2: where the two 2^100 cancel the exact value is +-2^-149, which flush-to-zero
+    # arithmetic (XLA:CPU) gives as 0; the other dims are 2^97 +- 2^-149 -> 2^97 either way
+    cancel = np.abs(want[2]) < 1
+    assert np.all(np.abs(want[2][cancel]) == 2.0**-149) and cancel.sum() == 128
+    np.testing.assert_array_equal(got[2][~cancel], want[2][~cancel])
+    assert np.all((got[2][cancel] == want[2][cancel]) | (got[2][cancel] == 0))
+
+
 def test_ultraquant_unpack():
     r = C.rng(10)
     cache = r.integers(0, 256, (3, 4, 2, 276), dtype=np.uint8)
@@ -498,7 +583,7 @@ def test_concat_and_cache_mla_non_finite(as_uint8):
 def test_ultraquant_non_finite():
     r = C.rng(44)
     k, v = exact_kv(r, 3, 2)
-    v = v.at[0, 0, 3].set(np.inf)  # +inf in V: +6 (0x7), never the sign-flipped -6 (0xF)
+    v = v.at[0, 0, 3].set(np.inf)
     v = v.at[0, 1, 40].set(-np.inf)
     v = v.at[1, 0, 100].set(np.nan)
     v = v.at[1, 1, 200].set(np.inf).at[1, 1, 201].set(-np.inf)
@@ -509,16 +594,15 @@ def test_ultraquant_non_finite():
     want = O.ultraquant_store(cache0, np.asarray(k, np.float64), np.asarray(v, np.float64), slots)
     assert_bytes_equal(got, want, "ultraquant_store non-finite")
     slot = got.reshape(4, 2, 272)
-    v_codes = np.stack([slot[..., 136:264] & 0xF, slot[..., 136:264] >> 4], -1).reshape(4, 2, 256)
-    assert v_codes[0, 0, 3] == 0x7 and v_codes[0, 1, 40] == 0xF
-    assert v_codes[3, 0, 100] == 0xF  # NaN: the lowest level, -6
-    assert v_codes[3, 1, 200] == 0x7 and v_codes[3, 1, 201] == 0xF
-    assert slot[0, 0, 264] == 254 and slot[3, 1, 264 + 6] == 254  # scale 2^127
-    assert np.all(v_codes[0, 0, [0, 1, 2, 4, 31]] == 0)  # the group's finite values
-    _, v_back = F.ultraquant_unpack(jnp.asarray(got))
-    v_back = np.asarray(v_back).reshape(4, 2, 256)
-    # 6 x 2^127 is past float32's range: the read-back value is inf with the input's sign
-    assert v_back[0, 0, 3] == np.inf and v_back[0, 1, 40] == -np.inf
+    # every group holding +-inf or NaN is a zero group (vLLM's torch reference and SGLang):
+    # V groups 0 / 1 / 3 / 6, and all of K of token 2 (slot 1; inf spreads over every dim)
+    zero_v = {(0, 0, 0), (0, 1, 1), (3, 0, 3), (3, 1, 6)}
+    for s_, h, g_ in zero_v:
+        assert slot[s_, h, 264 + g_] == 0
+        assert np.all(slot[s_, h, 136 + 16 * g_ : 136 + 16 * (g_ + 1)] == 0)
+    assert np.all(slot[1, 0, :136] == 0) and np.all(slot[1, 1, 128:136] != 0)
+    finite = [(s_, h, g_) for s_ in (0, 3) for h in range(2) for g_ in range(8)]
+    assert all(slot[t, h, 264 + g_] != 0 for t, h, g_ in finite if (t, h, g_) not in zero_v)
     codes, scales = uq_quantize(jnp.asarray(np.asarray(v, np.float32)))
     want_c, want_s = O.uq_quantize(np.asarray(v, np.float32))
     assert_bytes_equal(codes, want_c, "ultraquant_quantize codes")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
+from jax_sparse_mla.reference.ultraquant import round_e4m3
 from tests import cases as C
 from tests import oracle as O
 from tests.impls import available, common
@@ -217,27 +218,34 @@ def test_merge_gradient(impl):
 # ---------------------------------------------------------------------------------------------
 
 
-def _uq():
+def _uq(exact_q=False):
     c = C.uq_case(33, seq_lens=(0, 20, 70), hk=1, g=2)
     w = _weights(12, c.q.shape)
     args = (jnp.asarray(c.cache), jnp.asarray(c.block_tables), jnp.asarray(c.seq_lens))
 
     def loss(q, sm, impl):
-        out = jsm.ultraquant_decode(q, *args, sm_scale=sm, implementation=impl)
+        out = jsm.ultraquant_decode(q, *args, sm_scale=sm, implementation=impl, exact_q=exact_q)
         return jnp.sum(out.astype(jnp.float32) * w)
 
     def loss64(q, sm):
-        out, _ = O.ultraquant_decode(q, c.cache, c.block_tables, c.seq_lens, sm_scale=sm)
+        """The float64 loss of the exact-q attention at q; with the e4m3 query, that of the
+        straight-through rule: the rotated query q8(c.q) + H (q - c.q) / 16 (no saturation
+        in this case), whose derivative at c.q is the rule's gradient."""
+        if not exact_q:
+            q = O.uq_unrotate(O.uq_query(c.q)) + (q - O.to_f64(c.q))
+        out, _ = O.ultraquant_decode(q, *args, sm_scale=sm, exact_q=True)
         return np.sum(out * w)
 
     return c, loss, loss64
 
 
-def test_ultraquant_xla_gradient_vs_oracle():
-    c, loss, loss64 = _uq()
+@pytest.mark.parametrize("exact_q", [False, True])
+def test_ultraquant_xla_gradient_vs_oracle(exact_q):
+    c, loss, loss64 = _uq(exact_q)
     gq, gs = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(
         c.q, jnp.float32(0.0625), "xla"
     )
+    assert np.max(np.abs(O.uq_query(c.q, exact_q=True))) < 448
     q64 = O.to_f64(c.q)
     d = np.asarray(C.rng(13).standard_normal(c.q.shape))
     fd = _fd(lambda x: loss64(x, 0.0625), q64, d, 1e-3)
@@ -248,9 +256,23 @@ def test_ultraquant_xla_gradient_vs_oracle():
     assert abs(float(gs) - fd_s) <= 2**-7 * abs(fd_s) + 1e-3
 
 
-@pytest.mark.parametrize("impl", available("ultraquant_decode"))
-def test_ultraquant_gradient_equals_xla(impl):
-    c, loss, _ = _uq()
+def test_ultraquant_query_gradient_is_straight_through():
+    """The e4m3 rounding of the rotated q passes its cotangent through unchanged (no rounding
+    of the cotangent to e4m3) up to +-448 and stops it past +-448, where q saturates."""
+    x = jnp.float32([0.3, -1.7, 447.0, 448.0, -448.0, 449.0, -500.0, 1e6, 2.0**-12])
+    w = jnp.float32([0.1234567, 3.0, -2.5, 1.0, 1.0, 7.0, 7.0, 7.0, 0.7654321])
+    grad = jax.grad(lambda v: jnp.sum(round_e4m3(v) * w))(x)
+    want = np.where(np.abs(np.asarray(x)) <= 448, np.asarray(w), 0.0)
+    np.testing.assert_array_equal(np.asarray(grad), want)
+
+
+@pytest.mark.parametrize(
+    "impl,exact_q",
+    [(i, False) for i in available("ultraquant_decode")]
+    + [(i, True) for i in available("ultraquant_decode") if i in ("pallas", "mosaic")],
+)
+def test_ultraquant_gradient_equals_xla(impl, exact_q):
+    c, loss, _ = _uq(exact_q)
     grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
     want = grad(c.q, jnp.float32(0.0625), "xla")
     got = grad(c.q, jnp.float32(0.0625), impl)

@@ -22,6 +22,7 @@ import pytest
 
 import jax_sparse_mla as jsm
 from jax_sparse_mla import _platform
+from jax_sparse_mla.kernels.fp4_operands import EXACT_Q_PIECES
 from jax_sparse_mla.kernels.mosaic import _pipeline as P
 from jax_sparse_mla.kernels.mosaic import _wide as W
 from jax_sparse_mla.kernels.mosaic import mla_decode as D
@@ -652,13 +653,14 @@ def _operand_dim(k: int, n: int, j: int) -> int:
     return 128 * k + 8 * (2 * (j // 2) + n // 4) + n % 4 + 4 * (j % 2)
 
 
-def test_fp4_q_orders_each_piece_as_the_operands_and_stacks_the_pieces():
+@pytest.mark.parametrize("pieces", [1, EXACT_Q_PIECES])
+def test_fp4_q_orders_each_piece_as_the_operands_and_stacks_the_pieces(pieces):
     m, hbs = 16, 2
-    x = np.random.default_rng(0).normal(size=(1, P.Q_PIECES, hbs * m - 3, 256))
+    x = np.random.default_rng(0).normal(size=(1, pieces, hbs * m - 3, 256))
     q = np.asarray(P.fp4_q(jnp.asarray(x, jnp.float32), hbs, m))
-    assert q.shape == (1, hbs, P.FP4_SLICES, P.Q_PIECES * m, P.FP4_WORDS)
-    rows = np.concatenate([x, np.zeros((1, P.Q_PIECES, 3, 256))], axis=2).astype(np.float32)
-    for piece in range(P.Q_PIECES):
+    assert q.shape == (1, hbs, P.FP4_SLICES, pieces * m, P.FP4_WORDS)
+    rows = np.concatenate([x, np.zeros((1, pieces, 3, 256))], axis=2).astype(np.float32)
+    for piece in range(pieces):
         for k in range(2):
             for n in range(8):
                 dims = [_operand_dim(k, n, j) for j in range(P.FP4_WORDS)]
@@ -825,15 +827,32 @@ def test_ue8m0_ptx_is_each_columns_group_scale_in_both_halves():
         assert ptx_sim.bf16_pair(regs[0]["$0"]) == [want, want], (byte, e)
 
 
-def _uq_lowered_text(b, hq, hk, slot_bytes=272, implementation="mosaic", blocks=40):
+def _uq_lowered_text(b, hq, hk, slot_bytes=272, implementation="mosaic", blocks=40, **options):
     args = (
         jax.ShapeDtypeStruct((b, hq, 256), jnp.bfloat16),
         jax.ShapeDtypeStruct((blocks, 16, hk, slot_bytes), jnp.uint8),
         jax.ShapeDtypeStruct((b, 7), jnp.int32),
         jax.ShapeDtypeStruct((b,), jnp.int32),
     )
-    fn = jax.jit(functools.partial(jsm.ultraquant_decode, implementation=implementation))
-    return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    fn = functools.partial(jsm.ultraquant_decode, implementation=implementation, **options)
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("hq", [8, 24])
+@pytest.mark.parametrize("exact_q", [False, True])
+def test_ultraquant_q_enters_as_one_bf16_piece_or_three_with_exact_q(exact_q, hq):
+    """The kernel's q operand [B, Hk, FP4_SLICES, pieces * m, FP4_WORDS] bf16: the e4m3 q is
+    one piece (m wgmma columns per K operand), ``exact_q``'s float32 q three; both lower."""
+    m = U.row_format(hq, 16).m
+    pieces, other = (EXACT_Q_PIECES, 1) if exact_q else (1, EXACT_Q_PIECES)
+    assert U.row_format(hq, 16, exact_q=exact_q).q_pieces == pieces
+    text = _uq_lowered_text(2, hq, 1, exact_q=exact_q)
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+
+    def operand(n):
+        return f"tensor<2x1x{P.FP4_SLICES}x{n * m}x{P.FP4_WORDS}xbf16>"
+
+    assert operand(pieces) in text and operand(other) not in text
 
 
 def test_lowering_calls_no_deprecated_jax_api():

@@ -18,7 +18,7 @@ from tests.pallas_checks import check_kernel_attention
 
 
 def test_ultraquant_lse():
-    # the op returns no lse: check the kernel's own (scores from the 3-piece rotated q)
+    # the op returns no lse: check the kernel's own (scores from the e4m3 rotated q)
     case = C.uq_case(55, seq_lens=(1, 40, 200), hk=2, g=8, bs=16, q_scale=4.0)
     kernel = functools.partial(
         ultraquant_partials_kernel, sm_scale=1 / 16, num_partitions=1, interpret=True

@@ -1,6 +1,7 @@
 """ultraquant_decode against the float64 oracle, every implementation (tests/impls.py) with its
 own tolerance (caches written by the library's ultraquant_store over NaN garbage; the oracle
-decodes the bytes independently)."""
+decodes the bytes independently). The op's q is rotated and rounded to e4m3 in every
+implementation and in the oracle; ``exact_q=True`` (xla, pallas, mosaic) keeps it float32."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,8 +22,10 @@ def run(case, impl, num_partitions=None, sm_scale=1 / 16):
     return out
 
 
-def check(impl, case, out, sm_scale=1 / 16, num_partitions=None, what="ultraquant_decode"):
-    impls.check_uq(impl, case, out, sm_scale, num_partitions, what)
+def check(
+    impl, case, out, sm_scale=1 / 16, num_partitions=None, what="ultraquant_decode", exact_q=False
+):
+    impls.check_uq(impl, case, out, sm_scale, num_partitions, what, exact_q)
 
 
 @impls.each_ultraquant
@@ -138,16 +141,45 @@ def test_store_skips_tokens(impl):
     check(impl, case, run(case, impl))
 
 
-def test_tolerance_catches_bf16_rotated_q():
-    """Meta-test: rotating q in float32 and then rounding the rotated q to bf16 (a plausible
-    kernel shortcut) must fail the comparison."""
+EXACT_Q = [i for i in impls.available("ultraquant_decode") if i in ("xla", "pallas", "mosaic")]
+
+
+@pytest.mark.parametrize("impl", EXACT_Q)
+def test_exact_q(impl):
+    """exact_q=True: the attention of the float32 rotated q (no e4m3), against the oracle's
+    exact-q attention with the same tolerance."""
+    case = C.uq_case(16, seq_lens=(1, 64, 150), hk=2, g=8, bs=16, q_scale=4.0)
+    f = impls.with_scales(jsm.ultraquant_decode, impl, dict(sm_scale=1 / 16), exact_q=True)
+    check(impl, case, f(*case.args()), what="exact_q", exact_q=True)
+
+
+def test_exact_q_none_and_refusals():
+    """implementation=None serves exact_q (here "xla"); the gfx950 implementations, whose
+    kernel takes q in e4m3, refuse it by name; exact_q must be a bool."""
+    case = C.uq_case(17, seq_lens=(5, 33), hk=1, g=8, bs=16)
+    out = jsm.ultraquant_decode(*case.args(), exact_q=True)
+    check("xla", case, out, exact_q=True)
+    for impl in ("gfx950_emulation", "flydsl"):
+        with pytest.raises(NotImplementedError, match="exact_q"):
+            jsm.ultraquant_decode(*case.args(), implementation=impl, exact_q=True)
+    with pytest.raises(TypeError, match="exact_q"):
+        jsm.ultraquant_decode(*case.args(), exact_q=1)
+
+
+def test_tolerance_tells_the_two_queries_apart():
+    """Meta-test: the e4m3 query and the exact one give outputs that fail each other's
+    tolerance (the rounding of q is part of the op, not a difference the bound absorbs); a
+    bf16 rounding of the rotated q (a plausible kernel shortcut) fails the exact-q one."""
     case = C.uq_case(14, seq_lens=(64, 150, 90), hk=2, g=8, bs=16)
-    ref, _, st = O.ultraquant_decode(
-        case.q, case.cache, case.block_tables, case.seq_lens, stats=True
-    )
+    args = (case.cache, case.block_tables, case.seq_lens)
+    ref, _, st = O.ultraquant_decode(case.q, *args, stats=True)
+    exact, _, st_exact = O.ultraquant_decode(case.q, *args, stats=True, exact_q=True)
     O.check_attention(run(case, "xla"), ref, st, heads_per_entry=8)
-    q_rot = O.uq_rotate_exact(O.to_f64(case.q))
-    q_bad = O.uq_unrotate(O.round_bf16(q_rot))  # same scores as a bf16 rotated q
-    bad, _ = O.ultraquant_decode(q_bad, case.cache, case.block_tables, case.seq_lens)
     with pytest.raises(AssertionError):
-        O.check_attention(O.round_bf16(bad), ref, st, heads_per_entry=8)
+        O.check_attention(O.round_bf16(exact), ref, st, heads_per_entry=8)
+    with pytest.raises(AssertionError):
+        O.check_attention(O.round_bf16(ref), exact, st_exact, heads_per_entry=8)
+    q_bad = O.uq_unrotate(O.round_bf16(O.uq_query(case.q, exact_q=True)))
+    bad, _ = O.ultraquant_decode(q_bad, *args, exact_q=True)
+    with pytest.raises(AssertionError):
+        O.check_attention(O.round_bf16(bad), exact, st_exact, heads_per_entry=8)

@@ -56,14 +56,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sparse_mla._vma import fori_loop, vary_like
-from jax_sparse_mla.emulation._arith import e4m3, exp2, narrow, rounded
+from jax_sparse_mla.emulation._arith import exp2, narrow, rounded
 from jax_sparse_mla.formats import UQ_HEAD_DIM, _unpack_slots
 from jax_sparse_mla.reference.attention import ceil_div
+from jax_sparse_mla.reference.ultraquant import round_e4m3
 
 TILE = 16  # tokens per online-softmax step (one MFMA tile)
 TILE_GROUP = 128  # tokens per partition work item
 N_TILES = TILE_GROUP // TILE
-FP8_MAX = 448.0
 LOG2E = np.float32(math.log2(math.e))  # the kernel's f32 constant
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -86,7 +86,7 @@ def rotate_query(q: jax.Array) -> jax.Array:
         x = jnp.stack([a + b, a - b], axis=-2)
         stride *= 2
     x = x.reshape(*lead, UQ_HEAD_DIM) * jnp.float32(1.0 / 16.0)
-    return e4m3(jnp.clip(x, -FP8_MAX, FP8_MAX))
+    return round_e4m3(x)
 
 
 def _tile_sum(p: jax.Array) -> jax.Array:

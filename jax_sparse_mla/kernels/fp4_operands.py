@@ -1,7 +1,9 @@
 """What both NVIDIA UltraQuant kernels ("pallas" and "mosaic") hand the tensor cores.
 
-* q, rotated in float32 (``formats.ultraquant_rotate``), as ``Q_PIECES`` bf16 pieces whose sum
-  is q exactly (``bf16_pieces``): q.K on bf16 tensor cores is then float32-accurate.
+* q, rotated (``reference.ultraquant.ultraquant_query``), as bf16 pieces whose sum is q
+  exactly (``bf16_pieces``, ``q_pieces`` of them): one for the op's e4m3 q (every e4m3 value
+  is a bf16 value), three for the float32 q of ``exact_q``. q.K on bf16 tensor cores is then
+  float32-accurate.
 * Each E2M1 code of K and V as the bf16 of value * 2^-6 (the value of the e4m3 byte with the
   code's bits moved up two places: exact, the subnormal 0.5 included), times its group's UE8M0
   scale (a power of two: exact). ``FP4_BIAS`` = 2^6 goes back into the score scale and the
@@ -13,11 +15,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-Q_PIECES = 3  # bf16 pieces of the float32 rotated q
+EXACT_Q_PIECES = 3  # bf16 pieces of a float32 q
 FP4_BIAS = 64.0  # each code enters as its value * 2^-6
 
 
-def bf16_pieces(x, count: int = Q_PIECES):
+def q_pieces(exact_q: bool) -> int:
+    """bf16 pieces of the rotated q: 1 for its e4m3 rounding, 3 for the float32 q."""
+    return EXACT_Q_PIECES if exact_q else 1
+
+
+def bf16_pieces(x, count: int):
     """float32 x -> ``count`` bf16 arrays summing to x (exactly for count = 3).
 
     Each piece is x's remaining top 8 significant bits, cut off the float32 bits (no rounding

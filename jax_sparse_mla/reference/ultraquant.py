@@ -1,14 +1,47 @@
-"""Exact UltraQuant FP4 paged decode (implementation "xla")."""
+"""UltraQuant FP4 paged decode computed exactly (implementation "xla"), and the op's query."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from jax_sparse_mla.formats import UQ_HEAD_DIM, _unpack_slots, ultraquant_rotate
+from jax_sparse_mla.emulation._arith import rounded
+from jax_sparse_mla.formats import FP8_MAX, UQ_HEAD_DIM, _unpack_slots, ultraquant_rotate
 from jax_sparse_mla.reference.attention import KeyTile, attend_tiles, ceil_div, merge_partials
 
 PARTITION_TILE = 128  # key positions per tile-group; partition p owns groups p, p + P, ...
+
+
+@jax.custom_jvp
+def round_e4m3(x: jax.Array) -> jax.Array:
+    """float32 -> the value of its nearest OCP e4m3fn code (round to nearest even, saturating
+    at ±448; NaN stays NaN), as float32.
+
+    Derivative: straight-through, 1 where ``|x| <= 448`` and 0 past it (where the value is
+    the constant ±448): the cotangent of the rounded value passes to ``x`` unchanged. The
+    rounding's own derivative is 0 almost everywhere, which would make q's gradient vanish.
+    """
+    return rounded(jnp.clip(x, -FP8_MAX, FP8_MAX), jnp.float8_e4m3fn)
+
+
+@round_e4m3.defjvp
+def _round_e4m3_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return round_e4m3(x), jnp.where(jnp.abs(x) <= FP8_MAX, t, jnp.zeros_like(t))
+
+
+def ultraquant_query(q: jax.Array, exact_q: bool = False) -> jax.Array:
+    """The query ``ultraquant_decode`` scores with: ``H q / 16`` (``ultraquant_rotate``), then
+    rounded to e4m3 (``round_e4m3``) unless ``exact_q``.
+
+    Args:
+      q: [..., 256] float (bf16 in the op), not rotated.
+      exact_q: keep the float32 rotated q.
+    Returns:
+      [..., 256] float32 in the rotated (stored K's) order.
+    """
+    x = ultraquant_rotate(q)
+    return x if exact_q else round_e4m3(x)
 
 
 def ultraquant_decode_partials_f32(
@@ -19,8 +52,9 @@ def ultraquant_decode_partials_f32(
     *,
     sm_scale: jax.Array,
     num_partitions: int,
+    exact_q: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Per-partition partials of UltraQuant decode, in float32.
+    """Per-partition partials of UltraQuant decode, in float32 (q as ``ultraquant_query``).
 
     Args:
       q: [B, Hq, 256] bf16 (not rotated), Hq = Hk * G; query head h reads KV head h // G.
@@ -29,6 +63,7 @@ def ultraquant_decode_partials_f32(
       seq_lens: [B] int32, clamped to [0, max_blocks * block_size].
       sm_scale: float32 scalar.
       num_partitions: P; partition p owns the 128-token tile-groups p, p + P, p + 2P, ...
+      exact_q: score with the float32 rotated q instead of its e4m3 rounding.
     Returns:
       o [B, P, Hq, 256] float32 (each normalized by its own sum), lse [B, P, Hq] float32.
     """
@@ -55,7 +90,7 @@ def ultraquant_decode_partials_f32(
         return KeyTile(k, v, key_valid)
 
     num_tiles = ceil_div(ceil_div(jnp.max(seq_len), tile), p)
-    q_rot = ultraquant_rotate(q).reshape(bsz, 1, hk, g, UQ_HEAD_DIM)
+    q_rot = ultraquant_query(q, exact_q).reshape(bsz, 1, hk, g, UQ_HEAD_DIM)
     q_rot = jnp.broadcast_to(q_rot, (bsz, p, hk, g, UQ_HEAD_DIM)).reshape(bsz * p, hk, g, -1)
     o, lse = attend_tiles(q_rot, num_tiles, load_tile, sm_scale)
     return o.reshape(bsz, p, hq, UQ_HEAD_DIM), lse.reshape(bsz, p, hq)
@@ -69,11 +104,18 @@ def ultraquant_decode_xla(
     *,
     sm_scale: jax.Array,
     num_partitions: int | None,
+    exact_q: bool = False,
 ) -> jax.Array:
-    """Exact UltraQuant decode: the float32 partials (``num_partitions`` None: 1) merged in
-    float32; [B, Hq, 256] bf16."""
+    """UltraQuant decode computed exactly: the float32 partials (``num_partitions`` None: 1)
+    merged in float32; [B, Hq, 256] bf16."""
     o_parts, lse_parts = ultraquant_decode_partials_f32(
-        q, cache, block_tables, seq_lens, sm_scale=sm_scale, num_partitions=num_partitions or 1
+        q,
+        cache,
+        block_tables,
+        seq_lens,
+        sm_scale=sm_scale,
+        num_partitions=num_partitions or 1,
+        exact_q=exact_q,
     )
     out, _ = merge_partials(o_parts, lse_parts)
     return out.astype(jnp.bfloat16)

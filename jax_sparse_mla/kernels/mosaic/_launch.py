@@ -33,7 +33,7 @@ def attention(fmt: RowFormat, cache, idx, lists, q, score_scale, out_scale, *, f
     uint32, one row of HB slots per token),
     ``idx`` [nnz] int32, ``lists`` the key lists: work entries [G, S, WORK] (``work_lists``)
     or (indptr [G + 1] int32, ``SplitRule``) for the kernel to split; ``q`` [G, heads, 576]
-    bf16 rows as they are (``fmt.fp4``: [G, HB, FP4_SLICES, Q_PIECES * m, FP4_WORDS] from
+    bf16 rows as they are (``fmt.fp4``: [G, HB, FP4_SLICES, q_pieces * m, FP4_WORDS] from
     ``fp4_q``), scalar scales (the score scale in natural units). ``finished``: the caller
     wants bf16 out, not partials to merge itself. Causal formats: row r is query position
     r // (heads / qlen) (``fmt.heads`` rows: qlen positions of the same heads).

@@ -66,7 +66,6 @@ from jax.experimental import pallas as pl
 
 from jax_sparse_mla._platform import split_static
 from jax_sparse_mla.formats import LATENT_DIM, ROPE_DIM, UQ_HEAD_DIM, UQ_V_CODES
-from jax_sparse_mla.kernels.fp4_operands import Q_PIECES
 from jax_sparse_mla.reference.attention import merge_partials
 
 T = 64  # keys per tile (one SMEM stage; wgmma's M for the transposed scores)
@@ -136,6 +135,9 @@ class RowFormat(NamedTuple):
       page (the box's pitch - row_bytes bytes past the slot come along, from the next KV head
       or past the row: zeros), completing on the stage's ``tile_bars``; its lanes copy only
       the ids and the scale words. 0: the lanes copy the rows.
+    q_pieces: ``fp4`` only: bf16 pieces of the rotated q (``fp4_operands.q_pieces``): 1 for
+      the op's e4m3 q, 3 for ``exact_q``'s float32 q; every K operand meets all of them in one
+      wgmma of N = q_pieces * m.
     """
 
     row_bytes: int
@@ -150,6 +152,7 @@ class RowFormat(NamedTuple):
     heads: int = 0
     lane_copies: bool = False
     tile_rows: int = 0
+    q_pieces: int = 1
 
     @property
     def kv_split(self) -> bool:
@@ -212,7 +215,7 @@ class RowFormat(NamedTuple):
     @property
     def q_elems(self) -> int:
         """bf16 elements of one query row's operand in SMEM."""
-        return Q_PIECES * UQ_HEAD_DIM if self.fp4 else LATENT_DIM + ROPE_DIM
+        return self.q_pieces * UQ_HEAD_DIM if self.fp4 else LATENT_DIM + ROPE_DIM
 
     @property
     def operand_dtype(self):
@@ -297,16 +300,16 @@ _FP4_ORDER = (0, 2, 4, 1, 3)
 
 
 def fp4_q(pieces, hbs: int, m: int):
-    """UltraQuant q operand: [G, Q_PIECES, R, 256] bf16 pieces of the rotated q -> [G, hbs,
-    FP4_SLICES, Q_PIECES * m, FP4_WORDS] with rows padded to hbs * m: operand 8k + n holds
-    the dims ``_fp4_operand`` puts in K operand n of slice k, for the m rows of each piece in
-    turn (one wgmma of N = Q_PIECES * m scores every piece)."""
-    g, _, r, _ = pieces.shape
+    """UltraQuant q operand: [G, count, R, 256] bf16 (``count`` pieces of the rotated q) ->
+    [G, hbs, FP4_SLICES, count * m, FP4_WORDS] with rows padded to hbs * m: operand 8k + n
+    holds the dims ``_fp4_operand`` puts in K operand n of slice k, for the m rows of each
+    piece in turn (one wgmma of N = count * m scores every piece)."""
+    g, count, r, _ = pieces.shape
     x = jnp.pad(pieces, ((0, 0), (0, 0), (0, m * hbs - r), (0, 0)))
-    x = x.reshape(g, Q_PIECES, hbs, m, CONSUMERS, 8, 2, 2, 4)
+    x = x.reshape(g, count, hbs, m, CONSUMERS, 8, 2, 2, 4)
     operand_axes, column_axes = _FP4_ORDER[:3], _FP4_ORDER[3:]  # (k, a, b) and (p, e)
     x = x.transpose(0, 2, *(4 + a for a in operand_axes), 1, 3, *(4 + a for a in column_axes))
-    return x.reshape(g, hbs, FP4_SLICES, Q_PIECES * m, FP4_WORDS)
+    return x.reshape(g, hbs, FP4_SLICES, count * m, FP4_WORDS)
 
 
 def unpermute_fp4(o):
@@ -1406,7 +1409,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
 
     def fp4_k_scores(stage, c, acc, shift, bounded=False):
         """Slice c of K's codes (words 16c .. 16c + 15: scale groups 4c .. 4c + 3) against
-        the stacked q pieces into ``acc`` [T, Q_PIECES * m], one wgmma per nibble; with
+        the stacked q pieces into ``acc`` [T, q_pieces * m], one wgmma per nibble; with
         ``bounded``, at most 8 wgmmas (their register operands) in flight."""
         words, scale = fp4_slice(stage, FP4_WORDS * c, c, shift)
         for n in range(8):
@@ -1589,10 +1592,13 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             def run(acc):
                 for k in range(CONSUMERS):
                     fp4_k_scores(stage, k, acc, shift, bounded=k > 0)
-                pieces = acc[...]  # [T, Q_PIECES * m]
-                return pieces[:, :m] + pieces[:, m : 2 * m] + pieces[:, 2 * m :]
+                pieces = acc[...]  # [T, q_pieces * m]
+                score = pieces[:, :m]
+                for i in range(1, fmt.q_pieces):
+                    score = score + pieces[:, i * m : (i + 1) * m]
+                return score
 
-            sc_t = pl.run_scoped(run, plgpu.ACC((T, Q_PIECES * m), jnp.float32))
+            sc_t = pl.run_scoped(run, plgpu.ACC((T, fmt.q_pieces * m), jnp.float32))
             plgpu.barrier_arrive(s["consumed"].at[stage])
             visible = by_key(ids) >= 0
             sc_t = jnp.where(visible, sc_t * by_row(score_scale), -jnp.inf)  # log2 units
@@ -1731,7 +1737,7 @@ def _scratch(fmt: RowFormat, rule: SplitRule | None) -> dict:
 
     word = 4 if fmt.fp4 else 2  # the rows are read as uint32 (``fp4_slice``) or uint16 words
     if fmt.fp4:  # the q pieces' K=16 operands (``fp4_q``)
-        q_lat = swizzled((FP4_SLICES, Q_PIECES * m, FP4_WORDS), 2 * FP4_WORDS)
+        q_lat = swizzled((FP4_SLICES, fmt.q_pieces * m, FP4_WORDS), 2 * FP4_WORDS)
     else:
         q_lat = swizzled((LATENT_BLOCKS, m, DB), 128)
     scratch = {

@@ -20,8 +20,10 @@ was slower.
 A consumer reads a row's codes as uint32 words, 16 at a time (128 dims, four 32-dim scale
 groups): nibble n of word w is dim 8w + n. Each nibble slice [64 keys, 16] becomes bf16 (value *
 2^-6 from the code's bits in inline PTX, times the group's scale: exact), K slices are wgmma's A
-operand straight from registers (K = 16) against the three bf16 pieces of the float32 rotated q
-(their sum is q exactly, so q.K is float32-accurate), V slices go to SMEM for P @ V. The 2^-6 of
+operand straight from registers (K = 16) against the rotated q (``ultraquant_query``): its e4m3
+values are exact in bf16, one wgmma column per query row; ``exact_q``'s float32 q enters as three
+bf16 pieces (their sum is q exactly), three columns per row. Either way q.K is float32-accurate.
+V slices go to SMEM for P @ V. The 2^-6 of
 K and V is folded into the score and output scales. A group's UE8M0 byte becomes its bf16 scale
 in PTX too (``_fp4_scales``: the byte's bits shifted into the exponent).
 """
@@ -39,9 +41,8 @@ from jax_sparse_mla.formats import (
     UQ_K_SCALES,
     UQ_SLOT_CONTENT_BYTES,
     UQ_V_SCALES,
-    ultraquant_rotate,
 )
-from jax_sparse_mla.kernels.fp4_operands import FP4_BIAS, Q_PIECES, bf16_pieces
+from jax_sparse_mla.kernels.fp4_operands import FP4_BIAS, bf16_pieces, q_pieces
 from jax_sparse_mla.kernels.mosaic._launch import attention
 from jax_sparse_mla.kernels.mosaic._pipeline import (
     RowFormat,
@@ -55,6 +56,7 @@ from jax_sparse_mla.kernels.mosaic._pipeline import (
     rows_per_cta,
     work_lists,
 )
+from jax_sparse_mla.reference.ultraquant import ultraquant_query
 
 # SMEM bytes per staged slot: 72 words, 8 mod 32, so that the 8-byte uint32 reads of four rows
 # (a half warp) land on 32 distinct banks; at 272 (68 words) two rows would share 4 banks.
@@ -72,9 +74,10 @@ def tile_rows(block_size: int, row_bytes: int) -> int:
     return rows if tiles and rows >= 16 and row_bytes >= PITCH else 0
 
 
-def row_format(group: int, block_size: int, row_bytes: int = 0) -> RowFormat:
+def row_format(group: int, block_size: int, row_bytes: int = 0, exact_q: bool = False) -> RowFormat:
     """The slot's RowFormat for ``group`` query heads per KV head (16 rows, or 32 past 16),
-    pages of ``block_size`` tokens and cache rows of ``row_bytes`` (``tile_rows``)."""
+    pages of ``block_size`` tokens, cache rows of ``row_bytes`` (``tile_rows``) and q's bf16
+    pieces (``q_pieces``: 3 with ``exact_q``, else 1)."""
     return RowFormat(
         row_bytes=UQ_SLOT_CONTENT_BYTES,
         pitch=PITCH,
@@ -86,6 +89,7 @@ def row_format(group: int, block_size: int, row_bytes: int = 0) -> RowFormat:
         page_size=block_size,
         lane_copies=True,  # 272-byte slots: 16-byte lane copies beat one bulk copy per slot
         tile_rows=tile_rows(block_size, row_bytes),
+        q_pieces=q_pieces(exact_q),
     )
 
 
@@ -99,20 +103,20 @@ def unsupported(q, cache) -> str | None:
     return None
 
 
-def _decode(q, cache, block_tables, seq_lens, sm_scale, *, splits):
+def _decode(q, cache, block_tables, seq_lens, sm_scale, *, splits, exact_q):
     """-> [B, Hq, 256] bf16: the splits' o (V's space, each normalized by its own sum) and lse
     merged in float32."""
     b, hq, _ = q.shape
     nb, bs, hk, slot_bytes = cache.shape
     group = hq // hk
-    fmt = row_format(group, bs, hk * slot_bytes)
+    fmt = row_format(group, bs, hk * slot_bytes, exact_q)
     m = fmt.m
     max_blocks = block_tables.shape[1]
     length = jnp.clip(seq_lens, 0, max_blocks * bs)
     entries = work_lists(jnp.arange(b, dtype=jnp.int32) * max_blocks, length, splits, T)
-    x = ultraquant_rotate(q).reshape(b, hk, group, UQ_HEAD_DIM)
+    x = ultraquant_query(q, exact_q).reshape(b, hk, group, UQ_HEAD_DIM)
     x = jnp.pad(x, ((0, 0), (0, 0), (0, m - group), (0, 0))).reshape(b, hk * m, UQ_HEAD_DIM)
-    pieces = jnp.stack(bf16_pieces(x, Q_PIECES), axis=1)  # [B, 3, Hk * m, 256]
+    pieces = jnp.stack(bf16_pieces(x, fmt.q_pieces), axis=1)  # [B, q_pieces, Hk * m, 256]
     o, lse = attention(
         fmt,
         _words(cache),  # one row of Hk slots per token
@@ -137,10 +141,13 @@ def _words(cache):
     return jax.lax.bitcast_convert_type(rows, jnp.uint32)
 
 
-def ultraquant_decode_mosaic(q, cache, block_tables, seq_lens, *, sm_scale, num_partitions):
+def ultraquant_decode_mosaic(
+    q, cache, block_tables, seq_lens, *, sm_scale, num_partitions, exact_q=False
+):
     """``ultraquant_decode`` on the Mosaic GPU kernel (CUDA only): q [B, Hq, 256] bf16, cache
     [num_blocks, block_size, Hk, slot_bytes] uint8, block_tables [B, max_blocks] and seq_lens
-    [B] int32, sm_scale a float or 0-d array; ``num_partitions`` None fills the GPU
+    [B] int32, sm_scale a float or 0-d array, ``exact_q`` (static) as in ``ultraquant_decode``;
+    ``num_partitions`` None fills the GPU
     (``choose_splits``); splits are cut at tile multiples and merged in float32. Under
     ``jax.vmap``: one call per batch element. Returns [B, Hq, 256] bf16.
 
@@ -153,7 +160,7 @@ def ultraquant_decode_mosaic(q, cache, block_tables, seq_lens, *, sm_scale, num_
     if splits is None:
         tiles = block_tables.shape[-1] * cache.shape[1] / T
         splits = choose_splits(q.shape[-3] * cache.shape[2], tiles)
-    fn = per_element_vmap(functools.partial(_decode, splits=splits))
+    fn = per_element_vmap(functools.partial(_decode, splits=splits, exact_q=exact_q))
     return fn(q, cache, block_tables, seq_lens, as_f32(sm_scale))
 
 

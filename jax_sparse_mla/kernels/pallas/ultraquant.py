@@ -8,8 +8,9 @@ no copy of the cache): the E2M1 codes become e4m3fn bytes by bit moves
 UE8M0 group scale (exact: a power of two); the 2^-6 is folded into the score scale and the
 output. K's low and high nibbles (stored elements 2i and 2i+1) are separate operands, so the
 rotated q is split into its even and odd columns instead of interleaving codes. The rotated q
-is float32; it enters the tensor cores as three bf16 pieces (hi + mid + lo = q exactly), so
-q·K is float32-accurate. P is rounded to bf16 for P @ V.
+(``ultraquant_query``) holds e4m3 values, exact in bf16: one operand; with ``exact_q`` it is
+float32 and enters as three bf16 pieces (hi + mid + lo = q exactly). Either way q·K is
+float32-accurate. P is rounded to bf16 for P @ V.
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ from jax_sparse_mla.formats import (
     UQ_K_SCALES,
     UQ_V_CODES,
     UQ_V_SCALES,
-    ultraquant_rotate,
 )
-from jax_sparse_mla.kernels.fp4_operands import FP4_BIAS, Q_PIECES, bf16_pieces
+from jax_sparse_mla.kernels.fp4_operands import FP4_BIAS, bf16_pieces, q_pieces
 from jax_sparse_mla.kernels.pallas._common import (
     call,
     choose_splits,
@@ -46,6 +46,7 @@ from jax_sparse_mla.kernels.pallas._common import (
     softmax_update,
 )
 from jax_sparse_mla.kernels.pallas.merge import merge_partials_pallas
+from jax_sparse_mla.reference.ultraquant import ultraquant_query
 
 BLOCK_K = 64  # tokens per tile
 HALF = UQ_HEAD_DIM // 2  # 128 code bytes: low nibbles are even elements, high nibbles odd
@@ -88,7 +89,7 @@ def _kernel(
     chunk = BLOCK_K * ((length + BLOCK_K * num_parts - 1) // (BLOCK_K * num_parts))
     lo = part * chunk
     hi = jnp.minimum(lo + chunk, length)
-    q = [[q_ref[p, e] for e in range(2)] for p in range(Q_PIECES)]
+    q = [[q_ref[p, e] for e in range(2)] for p in range(q_ref.shape[0])]
     m_rows = q_ref.shape[2]
     key_iota = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_K,), 0)
 
@@ -108,8 +109,8 @@ def _kernel(
             gather_bytes(cache_ref, slot, UQ_V_SCALES, UQ_GROUPS, valid),
         )
         s = dot_nt(q[0][0], k_even) + dot_nt(q[0][1], k_odd)
-        for p in range(1, Q_PIECES):
-            s = s + dot_nt(q[p][0], k_even) + dot_nt(q[p][1], k_odd)
+        for piece in q[1:]:
+            s = s + dot_nt(piece[0], k_even) + dot_nt(piece[1], k_odd)
         s = jnp.where(valid[None, :], s * scale_ref[0], -jnp.inf)
         m_run, l_run, alpha, p = softmax_update(m_run, l_run, s)
         p16 = p.astype(jnp.bfloat16)
@@ -129,18 +130,20 @@ def _kernel(
     lse_ref[...] = lse
 
 
-def _q_operand(q, kv_heads: int, rows: int):
-    """q [B, Hq, 256] -> [B, Hk, 3, 2, rows, 128] bf16: pieces of the rotated q, even / odd."""
+def _q_operand(q, kv_heads: int, rows: int, exact_q: bool):
+    """q [B, Hq, 256] -> [B, Hk, pieces, 2, rows, 128] bf16: the bf16 pieces of the rotated
+    q (``q_pieces``), even / odd columns."""
     b, hq, _ = q.shape
     g = hq // kv_heads
-    x = ultraquant_rotate(q).reshape(b, kv_heads, g, UQ_HEAD_DIM)
+    pieces = q_pieces(exact_q)
+    x = ultraquant_query(q, exact_q).reshape(b, kv_heads, g, UQ_HEAD_DIM)
     x = jnp.pad(x, ((0, 0), (0, 0), (0, rows - g), (0, 0)))
-    x = jnp.stack(bf16_pieces(x, Q_PIECES), axis=2)  # [B, Hk, 3, rows, 256]
-    return x.reshape(b, kv_heads, Q_PIECES, rows, HALF, 2).transpose(0, 1, 2, 5, 3, 4)
+    x = jnp.stack(bf16_pieces(x, pieces), axis=2)  # [B, Hk, pieces, rows, 256]
+    return x.reshape(b, kv_heads, pieces, rows, HALF, 2).transpose(0, 1, 2, 5, 3, 4)
 
 
 def ultraquant_partials_kernel(
-    q, cache, block_tables, seq_lens, *, sm_scale, num_partitions, interpret=False
+    q, cache, block_tables, seq_lens, *, sm_scale, num_partitions, exact_q=False, interpret=False
 ):
     """Per-partition partials (partition p: tokens [p * c, min((p + 1) * c, seq_len)),
     ``c = 128 * ceil(seq_len / (128 * P))``), in float32.
@@ -149,19 +152,23 @@ def ultraquant_partials_kernel(
     GPU. Returns o [B, P, Hq, 256] float32 (V's space, normalized per partition) and
     lse [B, P, Hq] float32.
     """
-    o, lse, g = _partials(q, cache, block_tables, seq_lens, sm_scale, num_partitions, interpret)
+    o, lse, g = _partials(
+        q, cache, block_tables, seq_lens, sm_scale, num_partitions, interpret, exact_q=exact_q
+    )
     b, p, hk, rows = lse.shape
     o = o[:, :, :, :g].reshape(b, p, hk * g, 2, HALF).swapaxes(-1, -2)
     return o.reshape(b, p, hk * g, UQ_HEAD_DIM), lse[..., :g].reshape(b, p, hk * g)
 
 
 def ultraquant_decode_kernel(
-    q, cache, block_tables, seq_lens, *, sm_scale, num_partitions, interpret=False
+    q, cache, block_tables, seq_lens, *, sm_scale, num_partitions, exact_q=False, interpret=False
 ):
     """UltraQuant decode, partials merged on the GPU: [B, Hq, 256] bfloat16."""
     if q.shape[0] * q.shape[1] == 0 or cache.shape[0] * cache.shape[1] == 0:
         return jnp.zeros(q.shape, jnp.bfloat16)
-    o, lse, g = _partials(q, cache, block_tables, seq_lens, sm_scale, num_partitions, interpret)
+    o, lse, g = _partials(
+        q, cache, block_tables, seq_lens, sm_scale, num_partitions, interpret, exact_q=exact_q
+    )
     b, p, hk, rows = lse.shape
     merged, _ = merge_partials_pallas(
         o.reshape(b, p, hk * rows, UQ_HEAD_DIM),
@@ -173,7 +180,9 @@ def ultraquant_decode_kernel(
     return merged.reshape(q.shape)
 
 
-def _partials(q, cache, block_tables, seq_lens, sm_scale, num_partitions, interpret, words=None):
+def _partials(
+    q, cache, block_tables, seq_lens, sm_scale, num_partitions, interpret, words=None, exact_q=False
+):
     """-> o [B, P, Hk, rows, 2, 128] f32 (even | odd halves), lse [B, P, Hk, rows], G.
 
     ``words``: the kernel reads the cache as uint32 words (``_common.call``; default: when
@@ -183,6 +192,7 @@ def _partials(q, cache, block_tables, seq_lens, sm_scale, num_partitions, interp
     nb, bs, hk, slot_bytes = cache.shape
     g = hq // hk
     rows = pow2_at_least(g, 16)
+    pieces = q_pieces(exact_q)
     if num_partitions is None:
         avg = block_tables.shape[1] * bs  # the capacity bounds every request
         num_partitions = choose_splits(b * hk, avg, MIN_SPLIT_KEYS)
@@ -195,7 +205,7 @@ def _partials(q, cache, block_tables, seq_lens, sm_scale, num_partitions, interp
         kernel,
         grid=(b, hk, num_partitions),
         in_specs=[pl.no_block_spec] * 4
-        + [pl.BlockSpec((None, None, Q_PIECES, 2, rows, HALF), lambda i, h, s: (i, h, 0, 0, 0, 0))],
+        + [pl.BlockSpec((None, None, pieces, 2, rows, HALF), lambda i, h, s: (i, h, 0, 0, 0, 0))],
         out_specs=(
             pl.BlockSpec((None, None, None, rows, 2, HALF), lambda i, h, s: (i, s, h, 0, 0, 0)),
             pl.BlockSpec((None, None, None, rows), lambda i, h, s: (i, s, h, 0)),
@@ -215,7 +225,7 @@ def _partials(q, cache, block_tables, seq_lens, sm_scale, num_partitions, interp
         seq_lens,
         flat,
         scales,
-        _q_operand(q, hk, rows),
+        _q_operand(q, hk, rows, exact_q),
     )
     return o, lse, g
 
