@@ -23,12 +23,13 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_sparse_mla._checks import _CHECKIFY, as_jax, run_data_checks
+from jax_sparse_mla._checks import _CHECKIFY, DataCheck, as_jax, is_concrete, run_data_checks
 from jax_sparse_mla._dispatch import resolve_implementation
 from jax_sparse_mla.mla_decode import _IMPLEMENTATIONS as _DECODE
 from jax_sparse_mla.mla_decode import _check_static as _decode_static
 from jax_sparse_mla.mla_decode import _data_checks as _decode_checks
 from jax_sparse_mla.mla_decode import _prepare, mla_decode
+from jax_sparse_mla.reference.attention import merge_weights
 from jax_sparse_mla.sparse_mla import _check_static as _sparse_static
 from jax_sparse_mla.sparse_mla import _data_checks as _sparse_checks
 from jax_sparse_mla.sparse_mla import _masked_topk, sparse_mla
@@ -39,11 +40,21 @@ from jax_sparse_mla.ultraquant import ultraquant_decode
 Axis = str | tuple[str, ...] | None
 
 
-def _shard_map(fn, mesh, in_specs, out_specs, *args):
-    """``jax.shard_map(fn)`` over ``mesh`` applied to ``args``, each first put on ``mesh`` with
-    its spec (a pytree of arrays and specs alike), whatever its placement. Traced by
-    ``checked``, over the mesh's devices with Auto axes: checkify's rule for shard_map gathers
-    its per-device error flags with an indexing that Explicit axes refuse (jax 0.10.2)."""
+def _shard_map(fn, mesh, in_specs, out_specs, args, checks=()):
+    """``jax.shard_map(fn)`` over ``mesh`` applied to ``args`` (a tuple), each first put on
+    ``mesh`` with its spec (``in_specs``: a pytree like ``args``), whatever its placement.
+
+    ``checks`` (the op's DataChecks, computed on the global arrays) run once, before: concrete
+    ones raise here, ``checked`` makes them checkify checks. Under ``jax.jit`` their findings
+    (flags and positions: scalars) enter the shard_map replicated and every device runs the
+    same report before its op: a failure stops all of them alike (a report on one device would
+    leave the others waiting for it in a collective). Traced by ``checked``, the shard_map runs
+    over the mesh's devices with Auto axes: checkify's rule for shard_map gathers its
+    per-device error flags with an indexing that Explicit axes refuse (jax 0.10.2)."""
+    found = [(c.failed, c.args) for c in checks]
+    if _CHECKIFY.value or is_concrete(*jax.tree.leaves(found)):
+        run_data_checks(checks)
+        found = []
     if _CHECKIFY.value and any(t == AxisType.Explicit for t in mesh.axis_types):
         mesh = Mesh(
             mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names)
@@ -54,7 +65,17 @@ def _shard_map(fn, mesh, in_specs, out_specs, *args):
         in_specs,
         is_leaf=lambda x: x is None,
     )
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*placed)
+
+    def body(found, args):
+        if found:
+            leaves, tree = jax.tree.flatten(args)
+            local = [DataCheck(f, c.message, a) for (f, a), c in zip(found, checks, strict=True)]
+            leaves[0] = run_data_checks(local, leaves[0])
+            args = jax.tree.unflatten(tree, leaves)
+        return fn(*args)
+
+    specs = (jax.tree.map(lambda _: P(), found), tuple(in_specs))
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs)(found, placed)
 
 
 def _local_indptr(indptr: jax.Array, rows: Axis, n_local: int) -> jax.Array:
@@ -79,13 +100,13 @@ def sparse_mla_sharded(
     """
     topk_length = options.pop("topk_length", None)
     dense = indptr is None
+    checks = []
     if options.pop("validate", False):  # once, on the global arrays
         _sparse_static("sparse_mla_sharded", q, kv, idx, indptr, topk_length)
         if dense:  # masked here: the checks skip entries past topk_length
             idx, topk_length = _masked_topk(idx, topk_length), None
         ptr = None if dense else as_jax(indptr)[0]
         checks = _sparse_checks(*as_jax(kv, idx), ptr)
-        idx = run_data_checks(checks, as_jax(idx)[0])
     arrays = {"q": q, "kv": kv, "idx": idx}
     specs = {"q": P(rows, heads, None), "kv": P(), "idx": P(rows, None) if dense else P()}
     if indptr is not None:
@@ -103,7 +124,7 @@ def sparse_mla_sharded(
 
     out = P(rows, heads, None)
     out_specs = (out, P(rows, heads)) if options.get("return_lse") else out
-    return _shard_map(local, mesh, (specs,), out_specs, arrays)
+    return _shard_map(local, mesh, (specs,), out_specs, (arrays,), checks)
 
 
 def mla_decode_sharded(
@@ -141,11 +162,10 @@ def mla_decode_sharded(
     op = "mla_decode_sharded"
     scales = {"k_scale": k_scale, "v_scale": v_scale, "sm_scale": sm_scale}
     impl = resolve_implementation(op, implementation, _DECODE)
+    checks = []
     if validate:  # once, on the global arrays
         _decode_static(op, q, kv, kv_indices, kv_indptr, qlen)
-        kv_indices, kv_indptr = as_jax(kv_indices, kv_indptr)
-        checks = _decode_checks(kv_indices, kv_indptr, kv.shape[0])
-        kv_indptr = run_data_checks(checks, kv_indptr)
+        checks = _decode_checks(*as_jax(kv_indices, kv_indptr), kv.shape[0])
 
     def local(q, kv, kv_indices, kv_indptr):
         kv_indptr = _local_indptr(kv_indptr, requests, q.shape[0] // qlen)
@@ -173,10 +193,8 @@ def mla_decode_sharded(
         mesh,
         (P(requests, heads, None), P(context, None), P(), P()),
         (P(requests, heads, None), P(requests, heads)),
-        q,
-        kv,
-        kv_indices,
-        kv_indptr,
+        (q, kv, kv_indices, kv_indptr),
+        checks,
     )
     return (out, lse) if return_lse else out
 
@@ -189,15 +207,15 @@ def _merge_over(axis: Axis, o: jax.Array, lse: jax.Array) -> tuple[jax.Array, ja
     The shift m is a constant to differentiation (the result does not depend on it; pmax has
     no derivative)."""
     m = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(lse, axis=1)), axis)
-    m_ref = jnp.where(m == -jnp.inf, 0.0, m)
-    w = jnp.exp(lse - m_ref[:, None])  # [rows, S, H]
+    m_ref = jnp.where(jnp.isinf(m), 0.0, m)
+    w = merge_weights(lse, m[:, None])  # [rows, S, H]
     total = jax.lax.psum(jnp.sum(w, axis=1), axis)
     weighted = jnp.where((w != 0)[..., None], w[..., None] * o, 0.0)
     acc = jax.lax.psum(jnp.sum(weighted, axis=1), axis)
     has = total != 0  # 0 only when no device saw a key; NaN propagates
     out = jnp.where(has[..., None], acc / jnp.where(has, total, 1.0)[..., None], 0.0)
     lse = jnp.where(has, m_ref + jnp.log(jnp.where(has, total, 1.0)), -jnp.inf)
-    return out.astype(jnp.bfloat16), lse
+    return out.astype(jnp.bfloat16), jnp.where(m == jnp.inf, m, lse)
 
 
 def ultraquant_decode_sharded(
@@ -211,18 +229,16 @@ def ultraquant_decode_sharded(
     ``P(requests, None)``; seq_lens ``P(requests)``. Options are ``ultraquant_decode``'s.
     Returns [B, Hq, 256] bf16 ``P(requests, heads, None)``.
     """
+    checks = []
     if options.pop("validate", False):  # once, on the global arrays
         _uq_static("ultraquant_decode_sharded", q, cache, block_tables, seq_lens)
-        block_tables, seq_lens = as_jax(block_tables, seq_lens)
-        checks = _uq_checks(block_tables, seq_lens, cache.shape[0], cache.shape[1])
-        seq_lens = run_data_checks(checks, seq_lens)
+        tables, lens = as_jax(block_tables, seq_lens)
+        checks = _uq_checks(tables, lens, cache.shape[0], cache.shape[1])
     return _shard_map(
         functools.partial(ultraquant_decode, **options),
         mesh,
         (P(requests, heads, None), P(None, None, heads, None), P(requests, None), P(requests)),
         P(requests, heads, None),
-        q,
-        cache,
-        block_tables,
-        seq_lens,
+        (q, cache, block_tables, seq_lens),
+        checks,
     )
