@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sparse_mla import _platform, ffi
+from jax_sparse_mla._unavailable import unavailable
 from jax_sparse_mla._vma import vary_like
 from jax_sparse_mla.formats import LATENT_DIM, RECORD_BYTES, UQ_HEAD_DIM
 from jax_sparse_mla.kernels.gfx950.configs import MLA_DECODE_QLENS as KERNEL_QLENS
@@ -28,6 +29,15 @@ from jax_sparse_mla.kernels.gfx950.configs import ULTRAQUANT_GROUP_SIZES as KERN
 # MI355: 256 CUs. mla_decode runs one 8-wave CTA per CU; ultraquant 12 one-wave groups per CU.
 _NUM_CUS = 256
 _UQ_WORKGROUPS_PER_CU = 12
+
+
+NEEDS_ROCM = (
+    "jax_sparse_mla: implementation='flydsl' runs the gfx950 (AMD MI355) kernels, XLA FFI "
+    "custom calls, on ROCm only, and this lowering is for another platform: use 'xla' or "
+    "'gfx950_emulation' here (None chooses per platform), or lower for ROCm. On an MI355 the "
+    f"kernels come with JAX_SPARSE_MLA_KERNELS=gfx950 pip install, or {ffi.BUILD_COMMAND} "
+    "(BUILD.md)"
+)
 
 
 def _call(target: str, results, *args, **attrs):
@@ -46,8 +56,19 @@ def _call(target: str, results, *args, **attrs):
             )
     # jax.shard_map: the arguments must vary alike; the results vary as they do
     args = vary_like(args, *args)
-    outs = jax.ffi.ffi_call(target, results, vmap_method="sequential")(*args, **attrs)
-    return vary_like(outs, *args)
+
+    def call(*xs):
+        return vary_like(
+            jax.ffi.ffi_call(target, results, vmap_method="sequential")(*xs, **attrs), *xs
+        )
+
+    def elsewhere(*xs):  # a platform without the handlers: fails when lowered
+        return vary_like(unavailable(NEEDS_ROCM, list(results), *xs), *xs)
+
+    # ROCm, and any platform the handlers were registered for (the recording-HIP tests: CPU)
+    platforms = {"rocm", *ffi.registered_platforms()}
+    branches = {p: call for p in platforms}
+    return jax.lax.platform_dependent(*args, default=elsewhere, **branches)
 
 
 def _static(x) -> float | None:

@@ -14,6 +14,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from jax_sparse_mla._platform import by_platform
+from jax_sparse_mla._unavailable import unavailable
 from jax_sparse_mla._vma import out_struct, vary_like, varying_axes
 
 # Programs to aim for when splitting work: two resident programs on each of the H200's 132 SMs.
@@ -76,9 +77,9 @@ def call(
         if interpret and varying_axes(*args):
             # Pallas' interpreter cannot lower a kernel over values that vary across mesh axes,
             # and running it in a host callback deadlocks XLA:CPU (the callback's computation
-            # waits for the devices that wait for the callback). Fail clearly instead, at run
-            # time: this branch is traced, but never lowered, when the target is a CUDA GPU.
-            return jax.pure_callback(_interpret_under_shard_map, shapes, *args)
+            # waits for the devices that wait for the callback). Fail clearly instead, when
+            # lowered: this branch is traced, but never lowered, when the target is a CUDA GPU.
+            return unavailable(INTERPRET_UNDER_SHARD_MAP, shapes, *args)
         args = vary_like(args, *args)
         if words:  # right before the call: nothing else may consume a punned view (as_words)
             view = functools.partial(as_words, pun=not interpret)
@@ -90,13 +91,12 @@ def call(
     return run
 
 
-def _interpret_under_shard_map(*_):
-    raise NotImplementedError(
-        "jax_sparse_mla: implementation='pallas' in Pallas interpret mode (no CUDA GPU) cannot run "
-        "inside jax.shard_map on values that vary across mesh axes; use implementation='xla' or "
-        "'gfx950_emulation' there (None picks 'xla'), or run on a CUDA GPU, where the kernel is "
-        "compiled"
-    )
+INTERPRET_UNDER_SHARD_MAP = (
+    "jax_sparse_mla: implementation='pallas' in Pallas interpret mode (no CUDA GPU) cannot run "
+    "inside jax.shard_map on values that vary across mesh axes; use implementation='xla' or "
+    "'gfx950_emulation' there (None picks 'xla'), or run on a CUDA GPU, where the kernel is "
+    "compiled"
+)
 
 
 # ---------------------------------------------------------------------------------------------
