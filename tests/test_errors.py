@@ -214,6 +214,7 @@ DECODE_BAD = [
     ("kv_indices", lambda a: a["kv_indices"][None], ValueError),
     ("kv_indptr", lambda a: a["kv_indptr"].astype(jnp.float32), TypeError),
     ("kv_indptr", lambda a: a["kv_indptr"][None], ValueError),
+    ("kv_indptr", lambda a: a["kv_indptr"][:-1], ValueError),  # one request short of q's rows
 ]
 
 
