@@ -251,24 +251,33 @@ def softmax_init(m_rows: int):
     return jnp.full((m_rows,), -jnp.inf, jnp.float32), jnp.zeros((m_rows,), jnp.float32)
 
 
-def softmax_update(m_run, l_run, s):
-    """One key tile of scores s [M, N] float32 (-inf where masked).
+def score_sign_and_scale(sm_scale):
+    """(sign, scale) of a scale of the scores: the kernels take the max of ``sign * q·k`` and
+    multiply by ``scale`` (|sm_scale|, at least float32's smallest normal, so that masked -inf
+    scores give 0, never 0 x -inf) only after subtracting it: any finite sm_scale gives finite
+    weights."""
+    return jnp.sign(sm_scale), jnp.maximum(jnp.abs(sm_scale), jnp.finfo(jnp.float32).tiny)
+
+
+def softmax_update(m_run, l_run, s, scale):
+    """One key tile of signed scores s [M, N] float32 (-inf where masked), to be scaled by
+    ``scale`` > 0 (``score_sign_and_scale``).
 
     Returns (m, l, alpha [M], p [M, N]): rescale the accumulators by alpha, then add p @ V. A
     row that has seen no valid key keeps m = -inf and l = 0 while exp stays finite.
     """
     m_new = jnp.maximum(m_run, jnp.max(s, axis=1))
     m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp(m_run - m_ref)
-    p = jnp.exp(s - m_ref[:, None])
+    alpha = jnp.exp(scale * (m_run - m_ref))
+    p = jnp.exp(scale * (s - m_ref[:, None]))
     return m_new, l_run * alpha + jnp.sum(p, axis=1), alpha, p
 
 
-def softmax_finish(m_run, l_run):
+def softmax_finish(m_run, l_run, scale):
     """(1 / l, or 0 for a row without keys; lse, or -inf for a row without keys)."""
     has = l_run != 0
     inv_l = jnp.where(has, 1.0 / jnp.where(has, l_run, 1.0), 0.0)
-    lse = jnp.where(has, m_run + jnp.log(jnp.where(has, l_run, 1.0)), -jnp.inf)
+    lse = jnp.where(has, scale * m_run + jnp.log(jnp.where(has, l_run, 1.0)), -jnp.inf)
     return inv_l, lse
 
 
