@@ -220,7 +220,13 @@ def parse() -> tuple[Config, str | None]:
         "--implementation",
         default=None,
         choices=sorted(BOUNDS),
-        help="sparse_mla's implementation (default: the platform's choice)",
+        help=(
+            "sparse_mla's implementation (default: the platform's choice). xla, "
+            "gfx950_emulation: every platform; flydsl: ROCm on an AMD MI355 (gfx950) with the "
+            "kernels built (BUILD.md); mosaic: NVIDIA Hopper (sm_90) GPUs; pallas: NVIDIA GPUs "
+            "(elsewhere Pallas interpret mode, which cannot run under this example's "
+            "shard_map). Asked for elsewhere, a kernel fails when compiled, saying what it needs"
+        ),
     )
     a = ap.parse_args()
     cfg = Config(

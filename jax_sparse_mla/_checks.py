@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
+from jax_sparse_mla._vma import replicated
+
 
 def _dtype_names(dtypes: Sequence[np.dtype]) -> str:
     return " or ".join(np.dtype(d).name for d in dtypes)
@@ -105,8 +107,9 @@ def check_scalar(op: str, name: str, value) -> jax.Array:
 
 def as_jax(*xs) -> tuple[jax.Array, ...]:
     """The array arguments as jax arrays (numpy arrays are accepted wherever a jax array is,
-    inside and outside ``jax.jit``); called after the static checks."""
-    return tuple(jnp.asarray(x) for x in xs)
+    inside and outside ``jax.jit``), gathered where an Explicit mesh axis splits them
+    (``_vma.replicated``); called after the static checks."""
+    return tuple(replicated(jnp.asarray(x)) for x in xs)
 
 
 def is_concrete(*xs) -> bool:
@@ -206,6 +209,8 @@ def checked(fn: Callable) -> Callable:
         if not is_concrete(*jax.tree.leaves(error)):
             raise TypeError("checked: call it outside jax.jit (it raises on the host)")
         failure = error.get_exception()
+        # an error state that passed through a shard_map comes back per device (batched)
+        failure = next(iter(getattr(failure, "error_mapping", {None: failure}).values()))
         if isinstance(getattr(failure, "fmt_string", None), _Message):  # one of the ops' checks
             raise DataError(_format(failure.fmt_string, failure.args)) from None
         error.throw()

@@ -60,13 +60,19 @@ def with_exact_gradient(fn: Callable, exact: Callable) -> Callable:
         def bind(f):
             return lambda *xs: f(*xs[:n], **static, **dict(zip(traced, xs[n:], strict=True)))
 
-        call = jax.custom_vjp(bind(fn))
+        def forward(*xs):
+            with jax.enable_x64(False):  # the kernels' own Python ints stay 32-bit under x64
+                return bind(fn)(*xs)
+
+        call = jax.custom_vjp(forward)
 
         def fwd(*xs):
-            return bind(fn)(*xs), xs
+            return forward(*xs), xs
 
         def bwd(xs, cts):
-            out, vjp = jax.vjp(bind(exact), *xs)
+            # jax.vjp hands constant arguments (numpy index arrays under jax.jit) to the
+            # function as numpy arrays, which the exact path cannot index with traced positions
+            out, vjp = jax.vjp(lambda *ys: bind(exact)(*map(jnp.asarray, ys)), *xs)
             cts = jax.tree.map(lambda c, o: c.astype(o.dtype), cts, out)
             grads = vjp(cts)
             return tuple(

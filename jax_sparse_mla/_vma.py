@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import ManualAxisType
+from jax.sharding import ManualAxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 def varying_axes(*xs) -> frozenset[str]:
@@ -55,9 +56,10 @@ def sum_like(ct, primal):
 
 def fori_loop(lower, upper, body, init):
     """``jax.lax.fori_loop`` whose carry starts as varying as ``body`` makes it (whatever the
-    body reads: closed-over arrays included)."""
+    body reads: closed-over arrays included), with an int32 loop index (also under x64)."""
     init = vary_like(init, jax.eval_shape(body, jnp.int32(0), init))
-    return jax.lax.fori_loop(lower, upper, body, init)
+    # with concrete bounds jax runs a scan whose counter is a Python int: int64 under x64
+    return jax.lax.fori_loop(lower, upper, lambda t, c: body(t.astype(jnp.int32), c), init)
 
 
 def out_struct(shape, dtype, *like) -> jax.ShapeDtypeStruct:
@@ -65,3 +67,19 @@ def out_struct(shape, dtype, *like) -> jax.ShapeDtypeStruct:
     over the mesh axes ``like`` varies over."""
     mat = ManualAxisType(varying=varying_axes(*like))
     return jax.ShapeDtypeStruct(tuple(shape), dtype, manual_axis_type=mat)
+
+
+def replicated(x):
+    """``x`` (a jax array or tracer) with no dimension split over an Explicit mesh axis.
+
+    On a mesh of Explicit axes (``jax.make_mesh``'s default) an array's type carries its
+    sharding, and gathers or reshapes over a split dimension need an output sharding stated;
+    the ops' index arithmetic states none, so an input split that way is first gathered onto
+    every device (what XLA does for a kernel it cannot partition on an Auto mesh; the
+    ``*_sharded`` wrappers keep the data in place instead). Auto and Manual axes never appear
+    in the type: such arrays are returned as they are."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if sharding is None or all(s is None for s in sharding.spec):
+        return x
+    mesh = sharding.mesh if isinstance(x, jax.core.Tracer) else x.sharding.mesh
+    return jax.sharding.reshard(x, NamedSharding(mesh, P()))

@@ -13,7 +13,6 @@ from jax_sparse_mla._checks import (
     DataCheck,
     as_jax,
     check_array,
-    check_equal,
     check_positive_int,
     check_scalar,
     csr_check,
@@ -323,7 +322,12 @@ def _check_static(op, q, kv, kv_indices, kv_indptr, qlen) -> None:
     if kv_indptr.shape[0] < 1:
         raise ValueError(f"{op}: kv_indptr must have shape [B + 1] with B >= 0, got [0]")
     b = kv_indptr.shape[0] - 1
-    check_equal(op, "query rows", q.shape[0], b * qlen, f"q needs B * qlen = {b} * {qlen} rows")
+    if q.shape[0] != b * qlen:
+        raise ValueError(
+            f"{op}: q and kv_indptr disagree: kv_indptr has {b + 1} entries (B = {b} requests), "
+            f"so q needs B * qlen = {b} * {qlen} = {b * qlen} rows, got {q.shape[0]}; "
+            f"kv_indptr must have q rows / qlen + 1 = {q.shape[0] / qlen:g} + 1 entries"
+        )
 
 
 def validate_mla_decode(q, kv, kv_indices, kv_indptr, *, qlen: int = 1) -> None:

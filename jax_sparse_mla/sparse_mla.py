@@ -125,13 +125,15 @@ def sparse_mla(
       out [n_q, H, 512] bfloat16, and with ``return_lse`` also lse [n_q, H] float32.
     """
     op = "sparse_mla"
-    idx, indptr = _as_csr(op, q, idx, indptr, topk_length)
-    _check_static(op, q, kv, idx, indptr)
+    _check_static(op, q, kv, idx, indptr, topk_length)
     impl = resolve_implementation(op, implementation, _IMPLEMENTATIONS)
     scale = check_scalar(op, "sm_scale", DEFAULT_SM_SCALE if sm_scale is None else sm_scale)
-    q, kv, idx, indptr = as_jax(q, kv, idx, indptr)
-    if validate:
-        indptr = run_data_checks(_data_checks(kv, idx, indptr), indptr)
+    idx = _masked_topk(idx, topk_length) if indptr is None else as_jax(idx)[0]
+    if validate:  # on the layout given, so that a message names the caller's position
+        idx = run_data_checks(_data_checks(*as_jax(kv, idx), indptr), idx)
+    if indptr is None:
+        idx, indptr = _topk_as_csr(idx)
+    q, kv, indptr = as_jax(q, kv, indptr)
     if q.size == 0 or kv.size == 0 or idx.size == 0:  # no key anywhere: no kernel launch
         out, lse = no_keys(q.shape[0], q.shape[1])
     else:
@@ -139,46 +141,53 @@ def sparse_mla(
     return (out, lse) if return_lse else out
 
 
-def _as_csr(op: str, q, idx, indptr, topk_length):
-    """(idx, indptr) as CSR: 2-D ``idx`` with ``indptr=None`` through ``dense_to_csr``."""
-    if indptr is not None:
-        if topk_length is not None:
-            raise ValueError(f"{op}: topk_length goes with 2-D idx and indptr=None, not CSR")
-        return idx, indptr
-    check_array(op, "q", q, dtypes=[jnp.bfloat16], ndim=3, last_dims=(KV_DIM,))
-    check_array(op, "idx", idx, dtypes=[jnp.int32], shape=(q.shape[0], None))
-    return dense_to_csr(idx, topk_length)
-
-
-def _check_static(op: str, q, kv, idx, indptr) -> None:
+def _check_static(op: str, q, kv, idx, indptr, topk_length) -> None:
+    """The shapes and dtypes of ``sparse_mla``'s arguments: 1-D idx with indptr (CSR), or 2-D
+    idx with ``indptr=None`` (and an optional topk_length)."""
     check_array(op, "q", q, dtypes=[jnp.bfloat16], ndim=3, last_dims=(KV_DIM,))
     check_array(op, "kv", kv, dtypes=[jnp.uint8], min_ndim=1, last_dims=(RECORD_BYTES,))
+    n_q = q.shape[0]
+    if indptr is None:
+        check_array(op, "idx", idx, dtypes=[jnp.int32], shape=(n_q, None))
+        if topk_length is not None:
+            check_array(op, "topk_length", topk_length, dtypes=[jnp.int32], shape=(n_q,))
+        return
+    if topk_length is not None:
+        raise ValueError(f"{op}: topk_length goes with 2-D idx and indptr=None, not CSR")
     check_array(op, "idx", idx, dtypes=[jnp.int32], ndim=1)
-    check_array(op, "indptr", indptr, dtypes=[jnp.int32], shape=(q.shape[0] + 1,))
+    check_array(op, "indptr", indptr, dtypes=[jnp.int32], shape=(n_q + 1,))
 
 
-def validate_sparse_mla(q, kv, idx, indptr) -> None:
-    """Checks ``sparse_mla``'s arguments, static and data-dependent; raises on the first problem.
+def validate_sparse_mla(q, kv, idx, indptr=None, *, topk_length=None) -> None:
+    """Checks ``sparse_mla``'s arguments (the same ones: CSR ``idx`` and ``indptr``, or 2-D
+    ``idx`` with an optional ``topk_length``), static and data-dependent; raises on the first
+    problem.
 
     Data checks (computed where the data lives; only their findings reach the host):
     ``indptr`` starts >= 0, never decreases and ends at ``len(idx)``; every entry of ``idx`` is
     -1 (padding) or in [0, kv rows): any other value is flagged although ``sparse_mla`` masks
-    it, at every position of ``idx`` (also positions no row's range covers); every kv row an
-    in-range entry references has scales that are powers of two and <= 2^7 (the gfx950
-    kernel's precondition), named by its kv row. Raises ValueError.
+    it, at every position of ``idx`` (also positions no row's range covers; with 2-D ``idx``
+    named as ``idx[row, j]``, entries past ``topk_length`` excepted); every kv row an in-range
+    entry references has scales that are powers of two and <= 2^7 (the gfx950 kernel's
+    precondition), named by its kv row. Raises ValueError.
     """
-    _check_static("validate_sparse_mla", q, kv, idx, indptr)
-    run_data_checks(_data_checks(*as_jax(kv, idx, indptr)))
+    op = "validate_sparse_mla"
+    _check_static(op, q, kv, idx, indptr, topk_length)
+    idx = _masked_topk(idx, topk_length) if indptr is None else idx
+    run_data_checks(_data_checks(*as_jax(kv, idx), None if indptr is None else as_jax(indptr)[0]))
 
 
-def _data_checks(kv: jax.Array, idx: jax.Array, indptr: jax.Array) -> list[DataCheck]:
+def _data_checks(kv: jax.Array, idx: jax.Array, indptr: jax.Array | None) -> list[DataCheck]:
+    """The data checks of ``idx`` (CSR [nnz] with ``indptr``, or [n_q, topk] with None)."""
     op = "sparse_mla"
     records = kv.reshape(-1, RECORD_BYTES)
     rows = records.shape[0]
     ok = (idx >= 0) & (idx < rows)
-    referenced = jnp.zeros((rows,), bool).at[jnp.where(ok, idx, rows)].set(True, mode="drop")
+    hit = jnp.where(ok, idx, rows).reshape(-1)
+    referenced = jnp.zeros((rows,), bool).at[hit].set(True, mode="drop")
+    csr = [] if indptr is None else csr_check(op, "idx", "indptr", idx.shape[0], indptr)
     return [
-        *csr_check(op, "idx", "indptr", idx.shape[0], indptr),
+        *csr,
         range_check(op, "idx", idx, rows, f"kv has {rows} rows; -1 marks padding", allow=-1),
         *_scale_checks(op, "kv row", records, referenced, "in the rows idx references"),
     ]
@@ -249,11 +258,21 @@ def dense_to_csr(
     """
     op = "dense_to_csr"
     check_array(op, "topk_idx", topk_idx, dtypes=[jnp.int32], ndim=2)
-    n_q, topk = topk_idx.shape
-    topk_idx = jnp.asarray(topk_idx)
     if topk_length is not None:
-        check_array(op, "topk_length", topk_length, dtypes=[jnp.int32], shape=(n_q,))
-        keep = jnp.arange(topk, dtype=jnp.int32) < jnp.asarray(topk_length)[:, None]
-        topk_idx = jnp.where(keep, topk_idx, -1)
-    indptr = jnp.arange(n_q + 1, dtype=jnp.int32) * topk
-    return topk_idx.reshape(-1), indptr
+        check_array(op, "topk_length", topk_length, dtypes=[jnp.int32], shape=(topk_idx.shape[0],))
+    return _topk_as_csr(_masked_topk(topk_idx, topk_length))
+
+
+def _masked_topk(topk_idx, topk_length) -> jax.Array:
+    """[n_q, topk] int32 with -1 past each row's ``topk_length`` (None: every entry kept)."""
+    (topk_idx,) = as_jax(topk_idx)
+    if topk_length is None:
+        return topk_idx
+    keep = jnp.arange(topk_idx.shape[1], dtype=jnp.int32) < as_jax(topk_length)[0][:, None]
+    return jnp.where(keep, topk_idx, -1)
+
+
+def _topk_as_csr(topk_idx: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[n_q, topk] -> (idx [n_q * topk], indptr [n_q + 1] = r * topk)."""
+    n_q, topk = topk_idx.shape
+    return topk_idx.reshape(-1), jnp.arange(n_q + 1, dtype=jnp.int32) * topk

@@ -25,11 +25,12 @@ os.environ["XLA_FLAGS"] = (
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_sparse_mla as jsm  # noqa: E402
 from tests import cases as C  # noqa: E402
+from tests.cpu_subprocess import REPO  # noqa: E402
 
 # Run here: "pallas" in interpret mode refuses varying inputs (check_pallas_interpret_refused);
 # its compiled CUDA kernel under shard_map is lowered by check_lowering.
@@ -382,8 +383,9 @@ def check_lowering() -> None:
 
 
 def check_pallas_interpret_refused() -> None:
-    """Pallas interpret mode inside shard_map fails at once with a message naming the remedy
-    (it used to run in a host callback, which deadlocked XLA:CPU's devices)."""
+    """Pallas interpret mode inside shard_map fails when lowered (before anything runs) with a
+    message naming the remedy (it used to run in a host callback, which deadlocked XLA:CPU's
+    devices, and then failed at run time on every device)."""
     m = mesh(2, 4)
     case = C.sparse_case(1, n_q=4, h=8, n_rec=40)
     args = put(m, (P("dp", "tp", None), P(), P(), P()), case.q, case.kv, case.idx, case.indptr)
@@ -392,12 +394,181 @@ def check_pallas_interpret_refused() -> None:
         return jsm.sparse_mla_sharded(*a, mesh=m, heads="tp", rows="dp", implementation="pallas")
 
     try:
-        jax.block_until_ready(jax.jit(f)(*args))
-    except Exception as e:  # noqa: BLE001 (XLA:CPU wraps the callback's NotImplementedError)
+        jax.jit(f).lower(*args)
+    except NotImplementedError as e:
         assert "cannot run inside jax.shard_map" in str(e), e
     else:
-        raise AssertionError("pallas interpret mode ran inside shard_map")
+        raise AssertionError("pallas interpret mode lowered inside shard_map")
     print("pallas_interpret_refused ok")
+
+
+def mesh_of(kind: str) -> jax.sharding.Mesh:
+    """The 2 x 4 ("dp", "tp") mesh with Explicit (``jax.make_mesh``'s default) or Auto axes."""
+    types = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}[kind]
+    return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(types, types))
+
+
+def check_placement(kind: str) -> None:
+    """The wrappers take inputs of any placement (numpy; placed otherwise than their specs)
+    eagerly and under jit, on Explicit and Auto meshes, and equal one device's op; their
+    outputs are split as documented."""
+    m = mesh_of(kind)
+    sp = C.sparse_case(1, n_q=4, h=8, n_rec=40)
+    topk, lengths = dense_topk(sp)
+    dec = C.decode_case(3, seq_lens=(5, 130, 300, 64), qlen=1, h=4, as_uint8=True)
+    kv = np.concatenate([dec.kv_codes, np.full((-dec.kv.shape[0] % 8, 576), 0x7F, np.uint8)])
+    uq = C.uq_case(4, seq_lens=(1, 40, 100, 17), hk=4, g=2)
+
+    def misplace(a):  # a placement no wrapper asks for (dim 0 over "tp" where it divides)
+        return jax.device_put(a, NamedSharding(m, P("tp") if a.shape[0] % 4 == 0 else P()))
+
+    calls = {  # name: (wrapper, single-device op, arguments, options)
+        "sparse_mla": (
+            functools.partial(jsm.sparse_mla_sharded, heads="tp", rows="dp"),
+            jsm.sparse_mla,
+            (sp.q, sp.kv, topk),
+            {"topk_length": lengths},
+        ),
+        "mla_decode": (
+            functools.partial(jsm.mla_decode_sharded, heads="tp", requests="dp"),
+            jsm.mla_decode,
+            (dec.q, kv, dec.kv_indices, dec.kv_indptr),
+            {},
+        ),
+        "mla_decode dcp": (
+            functools.partial(jsm.mla_decode_sharded, context="tp"),
+            jsm.mla_decode,
+            (dec.q, kv, dec.kv_indices, dec.kv_indptr),
+            {},
+        ),
+        "ultraquant_decode": (
+            functools.partial(jsm.ultraquant_decode_sharded, heads="tp", requests="dp"),
+            jsm.ultraquant_decode,
+            (uq.q, uq.cache, uq.block_tables, uq.seq_lens),
+            {},
+        ),
+    }
+    for name, (wrapper, op, args, options) in calls.items():
+        want = op(*args, **options)
+        numpy_args = [np.asarray(a) if a.dtype != jnp.bfloat16 else a for a in args]
+        misplaced = [misplace(a) for a in args]
+        eager = wrapper(*numpy_args, mesh=m, **options)
+        jitted = jax.jit(lambda *x, w=wrapper, o=options: w(*x, mesh=m, **o))(*misplaced)
+        for got, how in ((eager, "numpy, eager"), (jitted, "misplaced, jit")):
+            close(got, want, f"{name} {how} [{kind}]")
+            assert got.sharding.mesh == m, (name, how, got.sharding)
+    print(f"placement_{kind} ok")
+
+
+def check_plain_ops_explicit() -> None:
+    """A plain op (every one, each implementation run here) under jax.jit takes inputs split
+    over Explicit mesh axes, and equals its result on unsplit inputs."""
+    m = mesh_of("explicit")
+    sp = C.sparse_case(1, n_q=4, h=8, n_rec=40)
+    topk, lengths = dense_topk(sp)
+    dec = C.decode_case(3, seq_lens=(5, 130, 300, 64), qlen=1, h=4, as_uint8=True)
+    uq = C.uq_case(4, seq_lens=(1, 40, 100, 17), hk=4, g=2)
+    o_parts = jnp.asarray(C.rng(5).standard_normal((4, 2, 4, 512)), jnp.float32)
+    lse_parts = jnp.asarray(C.rng(6).standard_normal((4, 2, 4)), jnp.float32)
+    calls = {  # name: (op, arguments, their specs, options)
+        "sparse_mla": (
+            jsm.sparse_mla,
+            (sp.q, sp.kv, topk, None),
+            (P("dp", "tp"), P(), P("dp"), None),
+            {"topk_length": lengths, "validate": True},
+        ),
+        "mla_decode": (
+            jsm.mla_decode,
+            (dec.q, dec.kv, dec.kv_indices, dec.kv_indptr),
+            (P("dp", "tp"), P(), P(), P()),
+            {"num_splits": 2, "validate": True},
+        ),
+        "ultraquant_decode": (
+            jsm.ultraquant_decode,
+            (uq.q, uq.cache, uq.block_tables, uq.seq_lens),
+            (P("dp", "tp"), P(None, None, "tp"), P("dp"), P("dp")),
+            {"validate": True},
+        ),
+        "merge_attn_states": (
+            jsm.merge_attn_states,
+            (o_parts, lse_parts),
+            (P("dp", None, "tp"), P("dp", None, "tp")),
+            {},
+        ),
+    }
+    for name, (op, args, specs, options) in calls.items():
+        placed = [
+            a if s is None else jax.device_put(jnp.asarray(a), NamedSharding(m, s))
+            for a, s in zip(args, specs, strict=True)
+        ]
+        for impl in IMPLS:
+            f = jax.jit(lambda *a, op=op, o=options, i=impl: op(*a, implementation=i, **o))
+            close(f(*placed), f(*args), f"{name} explicit inputs [{impl}]")
+    print("plain_ops_explicit ok")
+
+
+def check_validation() -> None:
+    """validate=True through a wrapper names the global position and is reported once (eager:
+    the DataError itself; under jit one error, not one per device), on Explicit and Auto meshes;
+    ``checked`` composes with the wrappers."""
+    sp = C.sparse_case(1, n_q=4, h=8, n_rec=40)
+    topk, _ = dense_topk(sp)
+    bad = topk.copy()
+    bad[3, 2] = 999
+    message = "sparse_mla: idx[3, 2] = 999 is outside [0, 46)"
+    for kind in ("explicit", "auto"):
+        m = mesh_of(kind)
+
+        def f(*a, m=m):
+            return jsm.sparse_mla_sharded(*a, mesh=m, heads="tp", rows="dp", validate=True)
+
+        for what, call in (("eager", f), ("checked", jsm.checked(jax.jit(f)))):
+            try:
+                call(sp.q, sp.kv, bad)
+            except jsm.DataError as e:
+                assert str(e).startswith(message), (kind, what, e)
+            else:
+                raise AssertionError(f"{kind} {what}: no DataError")
+        try:
+            jax.block_until_ready(jax.jit(f)(sp.q, sp.kv, bad))
+        except jax.errors.JaxRuntimeError as e:
+            assert str(e).count(message) == 1, (kind, str(e))
+        else:
+            raise AssertionError(f"{kind} jit: no error")
+        want = jsm.sparse_mla(sp.q, sp.kv, topk)
+        close(jsm.checked(jax.jit(f))(sp.q, sp.kv, topk), want, f"checked valid [{kind}]")
+    print("validation ok")
+
+
+def check_readme() -> None:
+    """The README's Python code blocks, run as written (in order, in one namespace) over small
+    arrays of the names they use."""
+    r = C.rng(11)
+    dec = C.decode_case(3, seq_lens=(5, 130, 300, 64, 1, 9, 17, 40), qlen=1, h=8)
+    kv = np.concatenate([dec.kv_codes, np.zeros((-dec.kv_codes.shape[0] % 4, 576), np.uint8)])
+    uq = C.uq_case(4, seq_lens=(1, 40, 100, 17, 3, 9, 20, 64), hk=4, g=2)
+    names = {
+        "cache": jnp.zeros((4, 16, 656), jnp.uint8),
+        "latent": C.bf16_normal(r, (40, 512)),
+        "rope": C.bf16_normal(r, (40, 64)),
+        "slot_mapping": jnp.arange(40, dtype=jnp.int32),
+        "q": dec.q,  # [8, 8, 576]: sparse_mla's n_q = 8 rows, mla_decode's B = 8 requests
+        "topk_indices": jnp.asarray(r.integers(-1, 64, (8, 16)), jnp.int32),
+        "kv": jnp.asarray(kv).view(jnp.float8_e4m3fn),
+        "kv_indices": dec.kv_indices,
+        "kv_indptr": dec.kv_indptr,
+        "uq_q": uq.q,
+        "uq_cache": uq.cache,
+        "block_tables": uq.block_tables,
+        "seq_lens": uq.seq_lens,
+    }
+    readme = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    assert len(blocks) >= 2, blocks
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), names)
+    assert names["out"].shape == (8, 8, 256), names["out"].shape
+    print("readme ok")
 
 
 CHECKS = {
@@ -408,6 +579,11 @@ CHECKS = {
     "pallas_interpret_refused": check_pallas_interpret_refused,
     "gradients_xla": functools.partial(check_gradients, "xla"),
     "gradients_gfx950_emulation": functools.partial(check_gradients, "gfx950_emulation"),
+    "placement_explicit": functools.partial(check_placement, "explicit"),
+    "placement_auto": functools.partial(check_placement, "auto"),
+    "plain_ops_explicit": check_plain_ops_explicit,
+    "validation": check_validation,
+    "readme": check_readme,
 }
 
 if __name__ == "__main__":

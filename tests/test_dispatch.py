@@ -36,14 +36,29 @@ def _mosaic_calls():
 @pytest.mark.parametrize("op", sorted(_mosaic_calls()))
 @pytest.mark.parametrize("jit", [False, True])
 def test_mosaic_off_cuda_needs_an_nvidia_hopper_gpu(op, jit):
-    """No interpret mode: off CUDA the call fails when run (a host callback's error, which XLA
-    wraps in a JaxRuntimeError), saying that it needs an NVIDIA Hopper GPU."""
+    """No interpret mode: off CUDA the call fails when lowered (before anything runs, eagerly
+    too), with a NotImplementedError saying that it needs an NVIDIA Hopper GPU."""
     call = _mosaic_calls()[op]
-    with pytest.raises(
-        (NotImplementedError, jax.errors.JaxRuntimeError), match="NVIDIA Hopper"
-    ) as e:
-        jax.block_until_ready(jax.jit(call)() if jit else call())
+    with pytest.raises(NotImplementedError, match="NVIDIA Hopper") as e:
+        jax.jit(call).lower() if jit else call()
     assert "mosaic" in str(e.value)
+
+
+@pytest.mark.skipif(impls.has_gfx950(), reason="off ROCm only: on an MI355 'flydsl' runs")
+@pytest.mark.parametrize("jit", [False, True])
+def test_flydsl_off_rocm_names_the_platform_and_the_build(jit):
+    """Without a handler for this platform (the CPU here; the recording-HIP tests register one
+    and run it), "flydsl" fails when lowered, naming ROCm, the MI355 and the build command."""
+    from jax_sparse_mla import ffi
+
+    sp = C.sparse_case(42, n_q=2, h=2, n_rec=8)
+
+    def call():
+        return jsm.sparse_mla(*sp.args(), implementation="flydsl")
+
+    with pytest.raises(NotImplementedError, match="ROCm only") as e:
+        jax.jit(call).lower() if jit else call()
+    assert "MI355" in str(e.value) and ffi.BUILD_COMMAND in str(e.value)
 
 
 def test_mosaic_is_a_known_name():

@@ -3,7 +3,8 @@ path's gradient, which is checked against central differences of the float64 ora
 
 Losses are linear in the outputs with bf16-exact weights, so every implementation's backward
 pass (the "xla" VJP at the same inputs) gets the same cotangents: their gradients must equal
-the "xla" gradient bit for bit.
+the "xla" gradient bit for bit. The caches and index arrays are numpy arrays (constants of the
+jitted gradient, as a user's often are).
 """
 
 import functools
@@ -42,7 +43,7 @@ def _fd(loss64, x, d, eps):
 def _sparse():
     c = C.sparse_case(31, n_q=3, h=2, n_rec=8, n_nan=2, max_len=12)
     w_o, w_l = _weights(1, (3, 2, 512)), _weights(2, (3, 2))
-    args = (jnp.asarray(c.kv), jnp.asarray(c.idx), jnp.asarray(c.indptr))
+    args = (c.kv, c.idx, c.indptr)  # numpy: constants of the jitted gradient
 
     def loss(q, sm, impl):
         out, lse = jsm.sparse_mla(q, *args, sm_scale=sm, return_lse=True, implementation=impl)
@@ -106,7 +107,7 @@ def test_sparse_mla_gradient_equals_xla(impl):
 
 def _decode():
     c = C.decode_case(32, seq_lens=(3, 140), h=2, qlen=2, n_nan=0)
-    args = (c.kv, jnp.asarray(c.kv_indices), jnp.asarray(c.kv_indptr))
+    args = (c.kv, c.kv_indices, c.kv_indptr)  # numpy indices: constants of the jitted gradient
     rows = 4
     w_o, w_l = _weights(4, (rows, 2, 512)), _weights(5, (rows, 2))
     w_po, w_pl = _weights(6, (rows, 2, 2, 512)), _weights(7, (rows, 2, 2))
@@ -221,7 +222,7 @@ def test_merge_gradient(impl):
 def _uq(exact_q=False):
     c = C.uq_case(33, seq_lens=(0, 20, 70), hk=1, g=2)
     w = _weights(12, c.q.shape)
-    args = (jnp.asarray(c.cache), jnp.asarray(c.block_tables), jnp.asarray(c.seq_lens))
+    args = (c.cache, c.block_tables, c.seq_lens)  # numpy: constants of the jitted gradient
 
     def loss(q, sm, impl):
         out = jsm.ultraquant_decode(q, *args, sm_scale=sm, implementation=impl, exact_q=exact_q)
@@ -281,3 +282,25 @@ def test_ultraquant_gradient_equals_xla(impl, exact_q):
     vjp_out, vjp = jax.vjp(functools.partial(loss, sm=0.0625, impl=impl), c.q)
     assert np.isfinite(float(vjp_out))
     assert np.asarray(vjp(jnp.float32(1.0))[0]).tobytes() == np.asarray(want[0]).tobytes()
+
+
+def _default_case(op):
+    """(loss, its arguments before impl) of this module's case for ``op``."""
+    if op == "sparse_mla":
+        q, loss, _ = _sparse()
+        return loss, (q, jnp.float32(0.06))
+    if op == "mla_decode":
+        c, loss, _ = _decode()
+        return loss, (c.q, jnp.float32(c.k_scale), jnp.float32(c.v_scale))
+    c, loss, _ = _uq()
+    return loss, (c.q, jnp.float32(0.0625))
+
+
+@pytest.mark.parametrize("op", ["sparse_mla", "mla_decode", "ultraquant_decode"])
+def test_default_implementation_gradient(op):
+    """``implementation=None`` under ``jax.jit(jax.grad)`` with numpy caches and indices (its
+    backward pass, as every kernel's, is the exact path's VJP) equals "xla"'s gradient."""
+    loss, args = _default_case(op)
+    grad = jax.jit(jax.grad(loss), static_argnums=len(args))
+    got, want = grad(*args, None), grad(*args, "xla")
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()

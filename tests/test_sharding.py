@@ -22,6 +22,11 @@ from tests.cpu_subprocess import run_on_cpu
         "pallas_interpret_refused",
         "gradients_xla",
         "gradients_gfx950_emulation",
+        "placement_explicit",
+        "placement_auto",
+        "plain_ops_explicit",
+        "validation",
+        "readme",
     ],
 )
 def test_sharded(check):

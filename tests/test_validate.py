@@ -49,6 +49,22 @@ def test_names_the_kv_row_eagerly():
     jsm.sparse_mla(*_sparse(bad_row=5), validate=True)  # row 5 is not referenced
 
 
+def test_two_d_idx_is_named_at_its_row_and_column():
+    """validate_sparse_mla takes what sparse_mla takes (2-D idx, topk_length); a bad entry is
+    named where the caller put it; entries past topk_length are masked, so never flagged."""
+    q, kv, _, _ = _sparse()
+    topk = np.full((q.shape[0], 4), -1, np.int32)
+    topk[:, :2] = 1
+    topk[2, 3] = 99
+    message = r"sparse_mla: idx\[2, 3\] = 99 is outside"
+    with pytest.raises(ValueError, match=message):
+        jsm.validate_sparse_mla(q, kv, topk)
+    with pytest.raises(ValueError, match=message):
+        jsm.sparse_mla(q, kv, topk, validate=True)
+    lengths = np.full(q.shape[0], 3, np.int32)
+    jsm.validate_sparse_mla(q, kv, topk, topk_length=lengths)
+
+
 @pytest.mark.parametrize("bad", ["scale", "idx", "indptr"])
 def test_under_jit_the_ops_message_and_a_quiet_stderr(bad, capfd):
     q, kv, idx, indptr = _bad_sparse(bad)

@@ -44,11 +44,21 @@ def library_path() -> Path | None:
     return None
 
 
+_REGISTERED: set[str] = set()
+
+
 def register_targets(library: ctypes.CDLL, platform: str) -> None:
     """Registers every handler of ``library`` as its custom call target for ``platform``."""
     for target, symbol in TARGETS.items():
         capsule = jax.ffi.pycapsule(getattr(library, symbol))
         jax.ffi.register_ffi_target(target, capsule, platform=platform)
+    _REGISTERED.add(platform.lower())
+
+
+def registered_platforms() -> frozenset[str]:
+    """The platforms (lower case, as ``jax.lax.platform_dependent`` names them) the handlers
+    were registered for in this process."""
+    return frozenset(_REGISTERED)
 
 
 @functools.cache

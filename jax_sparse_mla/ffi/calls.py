@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sparse_mla import _platform, ffi
+from jax_sparse_mla._unavailable import unavailable
 from jax_sparse_mla._vma import vary_like
 from jax_sparse_mla.formats import LATENT_DIM, RECORD_BYTES, UQ_HEAD_DIM
 from jax_sparse_mla.kernels.gfx950 import configs
@@ -40,6 +41,15 @@ def device_cus() -> int:
     return int(getattr(devices[0], "core_count", 0) or MI355X_CUS) if devices else MI355X_CUS
 
 
+NEEDS_ROCM = (
+    "jax_sparse_mla: implementation='flydsl' runs the gfx950 (AMD MI355) kernels, XLA FFI "
+    "custom calls, on ROCm only, and this lowering is for another platform: use 'xla' or "
+    "'gfx950_emulation' here (None chooses per platform), or lower for ROCm. On an MI355 the "
+    f"kernels come with JAX_SPARSE_MLA_KERNELS=gfx950 pip install, or {ffi.BUILD_COMMAND} "
+    "(BUILD.md)"
+)
+
+
 def _call(target: str, results, *args, **attrs):
     if _platform.rocm_devices():
         if ffi.rocm_library() is None:
@@ -56,8 +66,19 @@ def _call(target: str, results, *args, **attrs):
             )
     # jax.shard_map: the arguments must vary alike; the results vary as they do
     args = vary_like(args, *args)
-    outs = jax.ffi.ffi_call(target, results, vmap_method="sequential")(*args, **attrs)
-    return vary_like(outs, *args)
+
+    def call(*xs):
+        return vary_like(
+            jax.ffi.ffi_call(target, results, vmap_method="sequential")(*xs, **attrs), *xs
+        )
+
+    def elsewhere(*xs):  # a platform without the handlers: fails when lowered
+        return vary_like(unavailable(NEEDS_ROCM, list(results), *xs), *xs)
+
+    # ROCm, and any platform the handlers were registered for (the recording-HIP tests: CPU)
+    platforms = {"rocm", *ffi.registered_platforms()}
+    branches = {p: call for p in platforms}
+    return jax.lax.platform_dependent(*args, default=elsewhere, **branches)
 
 
 def _static(x) -> float | None:

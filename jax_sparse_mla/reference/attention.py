@@ -48,7 +48,8 @@ def attend_tiles(
       q: [R, G, M, Dk] float32 queries (R rows, G key heads, M queries per key head).
       num_tiles: number of tiles (traced or static); tile ``t`` is ``load_tile(t)``.
       load_tile: int32 scalar -> KeyTile.
-      sm_scale: float32 scalar.
+      sm_scale: float32 scalar; any finite value gives finite weights (it multiplies the
+        scores after their running max is subtracted).
     Returns:
       o [R, G, M, Dv] float32 (normalized; 0 where no key is valid) and
       lse [R, G, M] float32 (natural log of the sum of exp(scores); -inf where no key is valid).
@@ -78,13 +79,15 @@ def _hoisted(load_tile: Callable[[jax.Array], KeyTile]):
     return load, closed.consts
 
 
-def _scores(q, tile: KeyTile, sm_scale):
-    """One tile: scores [R, G, M, T] (-inf where a key is invalid or hidden; NaN where a visible
-    key's v is not finite), and k, v with every value that meets a 0 weight made finite."""
+def _scores(q, tile: KeyTile, sign):
+    """One tile: scores t = ``sign`` * q·k [R, G, M, T] (-inf where a key is invalid or hidden;
+    NaN where a visible key's v is not finite), and k, v with every value that meets a 0 weight
+    made finite. The scaled scores are ``|sm_scale| * t``, formed only after the running max of
+    t is subtracted, so any finite scale gives finite weights."""
     key_ok = tile.key_valid[:, :, None, None]
     k = jnp.where(key_ok, tile.k, 0.0)
     v = jnp.where(key_ok, tile.v, 0.0)
-    s = jnp.einsum("rgmd,rtgd->rgmt", q, k, precision=_HIGHEST) * sm_scale
+    s = jnp.einsum("rgmd,rtgd->rgmt", q, k, precision=_HIGHEST) * sign
     valid = tile.key_valid[:, None, None, :]
     if tile.row_mask is not None:
         valid = valid & tile.row_mask
@@ -98,18 +101,26 @@ def _scores(q, tile: KeyTile, sm_scale):
     return s, k, v
 
 
-def _forward(load, q, sm_scale, num_tiles, *consts):
+def _weights(t, m_ref, scale):
+    """exp(scale * (t - m_ref)), 0 where t is -inf (also for a scale of 0)."""
+    return jnp.where(t == -jnp.inf, 0.0, jnp.exp(scale * (t - m_ref)))
+
+
+def _run(load, q, sm_scale, num_tiles, *consts):
+    """(o, lse, m, total): the attention, the max m of the unscaled scores t (see ``_scores``)
+    and the sum of exp(|sm_scale| (t - m)) per query (1 where no key is valid)."""
     r, g, m, _ = q.shape
     dv = jax.eval_shape(load, jnp.int32(0), *consts).v.shape[-1]
     neg_inf = jnp.float32(-jnp.inf)
+    sign, scale = jnp.sign(sm_scale), jnp.abs(sm_scale)
 
     def step(t, carry):
         m_run, l_run, acc = carry
-        s, _, v = _scores(q, load(t, *consts), sm_scale)
+        s, _, v = _scores(q, load(t, *consts), sign)
         m_new = jnp.maximum(m_run, jnp.max(s, axis=-1))
         m_ref = jnp.where(m_new == neg_inf, 0.0, m_new)  # no valid key yet: keep exp finite
-        alpha = jnp.exp(m_run - m_ref)
-        p = jnp.exp(s - m_ref[..., None])
+        alpha = _weights(m_run, m_ref, scale)
+        p = _weights(s, m_ref[..., None], scale)
         l_new = l_run * alpha + jnp.sum(p, axis=-1)
         pv = jnp.einsum("rgmt,rtgd->rgmd", p, v, precision=_HIGHEST)
         return m_new, l_new, acc * alpha[..., None] + pv
@@ -123,29 +134,35 @@ def _forward(load, q, sm_scale, num_tiles, *consts):
     # l >= 1 once a key is valid (its largest score contributes exp(0)), so l == 0 means no
     # valid key; NaN scores from a referenced corrupt record propagate as NaN.
     has_keys = l_fin != 0
-    o = jnp.where(has_keys[..., None], acc / jnp.where(has_keys, l_fin, 1.0)[..., None], 0.0)
-    lse = jnp.where(has_keys, m_fin + jnp.log(jnp.where(has_keys, l_fin, 1.0)), neg_inf)
-    return o, lse
+    l_safe = jnp.where(has_keys, l_fin, 1.0)
+    o = jnp.where(has_keys[..., None], acc / l_safe[..., None], 0.0)
+    lse = jnp.where(has_keys, scale * m_fin + jnp.log(l_safe), neg_inf)
+    return o, lse, m_fin, l_safe
+
+
+def _forward(load, q, sm_scale, num_tiles, *consts):
+    return _run(load, q, sm_scale, num_tiles, *consts)[:2]
 
 
 _attend = jax.custom_vjp(_forward, nondiff_argnums=(0,))
 
 
 def _attend_fwd(load, q, sm_scale, num_tiles, *consts):
-    o, lse = _forward(load, q, sm_scale, num_tiles, *consts)
-    return (o, lse), (q, sm_scale, num_tiles, consts, o, lse)
+    o, lse, m, total = _run(load, q, sm_scale, num_tiles, *consts)
+    return (o, lse), (q, sm_scale, num_tiles, consts, o, m, total)
 
 
 def _attend_bwd(load, res, cts):
     """dS = P (dO·v - dO·o + dlse), dq = sm_scale sum_k dS k, dsm_scale = sum(q · sum_k dS k)."""
-    q, sm_scale, num_tiles, consts, o, lse = res
+    q, sm_scale, num_tiles, consts, o, m, total = res
     d_o, d_lse = cts
-    lse_ref = jnp.where(lse == -jnp.inf, 0.0, lse)[..., None]  # no key: every P is 0
+    m_ref = jnp.where(m == -jnp.inf, 0.0, m)[..., None]  # no key: every P is 0
     delta = (jnp.sum(d_o * o, axis=-1) - d_lse)[..., None]
+    sign, scale = jnp.sign(sm_scale), jnp.abs(sm_scale)
 
     def step(t, dq):
-        s, k, v = _scores(q, load(t, *consts), sm_scale)
-        p = jnp.exp(s - lse_ref)
+        s, k, v = _scores(q, load(t, *consts), sign)
+        p = _weights(s, m_ref, scale) / total[..., None]
         dp = jnp.einsum("rgmd,rtgd->rgmt", d_o, v, precision=_HIGHEST)
         return dq + jnp.einsum("rgmt,rtgd->rgmd", p * (dp - delta), k, precision=_HIGHEST)
 
@@ -169,8 +186,8 @@ def merge_partials(o_parts: jax.Array, lse_parts: jax.Array) -> tuple[jax.Array,
     lse = lse_parts.astype(jnp.float32)
     neg_inf = jnp.float32(-jnp.inf)
     m = jnp.max(lse, axis=-2)
-    m_ref = jnp.where(m == neg_inf, 0.0, m)
-    w = jnp.exp(lse - m_ref[..., None, :])  # [..., S, H]; exp(-inf) = 0
+    w = merge_weights(lse, m[..., None, :])  # [..., S, H]
+    m_ref = jnp.where(jnp.isinf(m), 0.0, m)
     total = jnp.sum(w, axis=-2)
     contrib = jnp.where((w != 0)[..., None], w[..., None] * o_parts.astype(jnp.float32), 0.0)
     has = total != 0  # 0 only when every partial is -inf; NaN propagates
@@ -178,7 +195,15 @@ def merge_partials(o_parts: jax.Array, lse_parts: jax.Array) -> tuple[jax.Array,
         has[..., None], jnp.sum(contrib, axis=-3) / jnp.where(has, total, 1.0)[..., None], 0.0
     )
     lse_out = jnp.where(has, m_ref + jnp.log(jnp.where(has, total, 1.0)), neg_inf)
-    return o, lse_out
+    return o, jnp.where(m == jnp.inf, m, lse_out)
+
+
+def merge_weights(lse: jax.Array, m: jax.Array) -> jax.Array:
+    """The merge's weights ``exp(lse - m)`` of partials with log-sum-exps ``lse`` and their
+    maximum ``m`` (broadcast alike): 0 for a -inf partial; where m is +inf (a score scale so
+    large that an lse overflows float32) the overflowed partials weigh 1 and the others 0."""
+    m_ref = jnp.where(jnp.isinf(m), 0.0, m)
+    return jnp.where(m == jnp.inf, (lse == jnp.inf).astype(jnp.float32), jnp.exp(lse - m_ref))
 
 
 def ceil_div(a, b):

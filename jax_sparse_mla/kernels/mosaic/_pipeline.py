@@ -65,6 +65,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jax_sparse_mla._platform import split_static
+from jax_sparse_mla._unavailable import unavailable
 from jax_sparse_mla.formats import LATENT_DIM, ROPE_DIM, UQ_HEAD_DIM, UQ_V_CODES
 from jax_sparse_mla.reference.attention import merge_partials
 
@@ -1865,15 +1866,14 @@ def per_element_vmap(fn):
     return call
 
 
-def needs_cuda(*_):
-    raise NotImplementedError(
-        "jax_sparse_mla: implementation='mosaic' is a Mosaic GPU kernel for NVIDIA Hopper "
-        "(sm_90a, inline PTX and wgmma) and has no interpret mode; use 'xla' or 'pallas' here, "
-        "or lower for CUDA"
-    )
+NEEDS_CUDA = (
+    "jax_sparse_mla: implementation='mosaic' is a Mosaic GPU kernel for NVIDIA Hopper "
+    "(sm_90a, inline PTX and wgmma; CUDA only) and has no interpret mode; use 'xla' or 'pallas' "
+    "here, or lower for CUDA"
+)
 
 
 def fail_off_cuda(shapes, operand):
-    """The non-CUDA branch of a Mosaic kernel: fails when run, naming the remedy (a CUDA
+    """The non-CUDA branch of a Mosaic kernel: fails when lowered, naming the remedy (a CUDA
     lowering never holds it). ``shapes``: the outputs' ShapeDtypeStructs."""
-    return jax.pure_callback(needs_cuda, shapes, operand, vmap_method="broadcast_all")
+    return unavailable(NEEDS_CUDA, shapes, operand)

@@ -14,6 +14,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from jax_sparse_mla._platform import by_platform
+from jax_sparse_mla._unavailable import unavailable
 from jax_sparse_mla._vma import out_struct, vary_like, varying_axes
 
 # Programs to aim for when splitting work: two resident programs on each of the H200's 132 SMs.
@@ -76,9 +77,9 @@ def call(
         if interpret and varying_axes(*args):
             # Pallas' interpreter cannot lower a kernel over values that vary across mesh axes,
             # and running it in a host callback deadlocks XLA:CPU (the callback's computation
-            # waits for the devices that wait for the callback). Fail clearly instead, at run
-            # time: this branch is traced, but never lowered, when the target is a CUDA GPU.
-            return jax.pure_callback(_interpret_under_shard_map, shapes, *args)
+            # waits for the devices that wait for the callback). Fail clearly instead, when
+            # lowered: this branch is traced, but never lowered, when the target is a CUDA GPU.
+            return unavailable(INTERPRET_UNDER_SHARD_MAP, shapes, *args)
         args = vary_like(args, *args)
         if words:  # right before the call: nothing else may consume a punned view (as_words)
             view = functools.partial(as_words, pun=not interpret)
@@ -90,13 +91,12 @@ def call(
     return run
 
 
-def _interpret_under_shard_map(*_):
-    raise NotImplementedError(
-        "jax_sparse_mla: implementation='pallas' in Pallas interpret mode (no CUDA GPU) cannot run "
-        "inside jax.shard_map on values that vary across mesh axes; use implementation='xla' or "
-        "'gfx950_emulation' there (None picks 'xla'), or run on a CUDA GPU, where the kernel is "
-        "compiled"
-    )
+INTERPRET_UNDER_SHARD_MAP = (
+    "jax_sparse_mla: implementation='pallas' in Pallas interpret mode (no CUDA GPU) cannot run "
+    "inside jax.shard_map on values that vary across mesh axes; use implementation='xla' or "
+    "'gfx950_emulation' there (None picks 'xla'), or run on a CUDA GPU, where the kernel is "
+    "compiled"
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,24 +251,33 @@ def softmax_init(m_rows: int):
     return jnp.full((m_rows,), -jnp.inf, jnp.float32), jnp.zeros((m_rows,), jnp.float32)
 
 
-def softmax_update(m_run, l_run, s):
-    """One key tile of scores s [M, N] float32 (-inf where masked).
+def score_sign_and_scale(sm_scale):
+    """(sign, scale) of a scale of the scores: the kernels take the max of ``sign * q·k`` and
+    multiply by ``scale`` (|sm_scale|, at least float32's smallest normal, so that masked -inf
+    scores give 0, never 0 x -inf) only after subtracting it: any finite sm_scale gives finite
+    weights."""
+    return jnp.sign(sm_scale), jnp.maximum(jnp.abs(sm_scale), jnp.finfo(jnp.float32).tiny)
+
+
+def softmax_update(m_run, l_run, s, scale):
+    """One key tile of signed scores s [M, N] float32 (-inf where masked), to be scaled by
+    ``scale`` > 0 (``score_sign_and_scale``).
 
     Returns (m, l, alpha [M], p [M, N]): rescale the accumulators by alpha, then add p @ V. A
     row that has seen no valid key keeps m = -inf and l = 0 while exp stays finite.
     """
     m_new = jnp.maximum(m_run, jnp.max(s, axis=1))
     m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp(m_run - m_ref)
-    p = jnp.exp(s - m_ref[:, None])
+    alpha = jnp.exp(scale * (m_run - m_ref))
+    p = jnp.exp(scale * (s - m_ref[:, None]))
     return m_new, l_run * alpha + jnp.sum(p, axis=1), alpha, p
 
 
-def softmax_finish(m_run, l_run):
+def softmax_finish(m_run, l_run, scale):
     """(1 / l, or 0 for a row without keys; lse, or -inf for a row without keys)."""
     has = l_run != 0
     inv_l = jnp.where(has, 1.0 / jnp.where(has, l_run, 1.0), 0.0)
-    lse = jnp.where(has, m_run + jnp.log(jnp.where(has, l_run, 1.0)), -jnp.inf)
+    lse = jnp.where(has, scale * m_run + jnp.log(jnp.where(has, l_run, 1.0)), -jnp.inf)
     return inv_l, lse
 
 

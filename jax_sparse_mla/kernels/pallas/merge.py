@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jax_sparse_mla.kernels.pallas._common import call, pow2_at_least
+from jax_sparse_mla.reference.attention import merge_weights
 
 
 def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, num_parts: int):
@@ -14,11 +15,11 @@ def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, num_parts: int):
     m = jax.lax.fori_loop(
         0, num_parts, lambda s, m: jnp.maximum(m, lse_ref[i, s, h]), jnp.float32(-jnp.inf)
     )
-    m_ref = jnp.where(m == -jnp.inf, 0.0, m)
+    m_ref = jnp.where(jnp.isinf(m), 0.0, m)
 
     def add(s, carry):
         total, acc = carry
-        w = jnp.exp(lse_ref[i, s, h] - m_ref)  # 0 for a -inf partial, whose o is ignored
+        w = merge_weights(lse_ref[i, s, h], m)  # 0 for a -inf partial, whose o is ignored
         o = o_ref[i, s, h, :].astype(jnp.float32)
         return total + w, acc + jnp.where(w != 0, w * o, 0.0)
 
@@ -28,7 +29,8 @@ def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, num_parts: int):
     )
     has = total != 0
     out_ref[i, h, :] = jnp.where(has, acc / jnp.where(has, total, 1.0), 0.0).astype(out_ref.dtype)
-    lse_out_ref[i, h] = jnp.where(has, m_ref + jnp.log(jnp.where(has, total, 1.0)), -jnp.inf)
+    lse = jnp.where(has, m_ref + jnp.log(jnp.where(has, total, 1.0)), -jnp.inf)
+    lse_out_ref[i, h] = jnp.where(m == jnp.inf, m, lse)
 
 
 def merge_partials_pallas(o_parts, lse_parts, *, out_dtype=None, interpret: bool = False):

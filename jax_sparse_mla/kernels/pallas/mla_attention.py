@@ -30,6 +30,7 @@ from jax_sparse_mla.kernels.pallas._common import (
     gather_bytes,
     gather_words,
     pow2_at_least,
+    score_sign_and_scale,
     softmax_finish,
     softmax_init,
     softmax_update,
@@ -100,7 +101,7 @@ def _kernel(
     hi = jnp.minimum(lo + chunk, length)
     q_lat = [q_ref[:, pl.ds(CHUNK * c, CHUNK)] for c in range(NUM_CHUNKS)]
     q_rope = q_ref[:, pl.ds(LATENT_DIM, ROPE)]
-    score_scale, v_scale = scale_ref[0], scale_ref[1]
+    (sign, scale), v_scale = score_sign_and_scale(scale_ref[0]), scale_ref[1]
     key_iota = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_K,), 0)
     if qlen > 1:  # causal: query position i sees key positions j <= length - qlen + i
         row = mb * block_m + jax.lax.broadcasted_iota(jnp.int32, (block_m,), 0)
@@ -120,8 +121,8 @@ def _kernel(
         mask = valid[None, :]
         if qlen > 1:
             mask = mask & (j[None, :] <= bound[:, None])
-        s = jnp.where(mask, s * score_scale, -jnp.inf)
-        m_run, l_run, alpha, p = softmax_update(m_run, l_run, s)
+        s = jnp.where(mask, s * sign, -jnp.inf)
+        m_run, l_run, alpha, p = softmax_update(m_run, l_run, s, scale)
         if qlen > 1:  # a hidden NaN code (P = 0) adds 0, not 0 x NaN; a visible one has
             chunks = [jnp.where(jnp.isnan(c), 0, c) for c in chunks]  # made its row's s NaN
         accs = tuple(
@@ -137,7 +138,7 @@ def _kernel(
     zeros = jnp.zeros((block_m, CHUNK), jnp.float32)
     init = (*softmax_init(block_m), (zeros,) * NUM_CHUNKS)
     m_run, l_run, accs = jax.lax.fori_loop(0, num_tiles, tile, init)
-    inv_l, lse = softmax_finish(m_run, l_run)
+    inv_l, lse = softmax_finish(m_run, l_run, scale)
     for c, acc in enumerate(accs):
         o_ref[:, pl.ds(CHUNK * c, CHUNK)] = (acc * (inv_l * v_scale)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = lse

@@ -5,9 +5,10 @@ cores) and one contiguous partition of the request's tokens, walked in tiles of 
 tokens. Each slot is read once (as uint32 words split into their bytes: ``_common.as_words``,
 no copy of the cache): the E2M1 codes become e4m3fn bytes by bit moves
 (``e4m3(code') = value * 2^-6``, exact, subnormal 0.5 included), then bf16 (exact), times the
-UE8M0 group scale (exact: a power of two); the 2^-6 is folded into the score scale and the
-output. K's low and high nibbles (stored elements 2i and 2i+1) are separate operands, so the
-rotated q is split into its even and odd columns instead of interleaving codes. The rotated q
+UE8M0 group scale (exact: a power of two); the 2^-6 is undone on the scores (before the max,
+so sm_scale multiplies them only after it: any finite scale is served) and on the output.
+K's low and high nibbles (stored elements 2i and 2i+1) are separate operands, so the rotated q
+is split into its even and odd columns instead of interleaving codes. The rotated q
 (``ultraquant_query``) holds e4m3 values, exact in bf16: one operand; with ``exact_q`` it is
 float32 and enters as three bf16 pieces (hi + mid + lo = q exactly). Either way q·K is
 float32-accurate. P is rounded to bf16 for P @ V.
@@ -41,6 +42,7 @@ from jax_sparse_mla.kernels.pallas._common import (
     gather_bytes,
     on_cuda_or_interpret,
     pow2_at_least,
+    score_sign_and_scale,
     softmax_finish,
     softmax_init,
     softmax_update,
@@ -92,6 +94,7 @@ def _kernel(
     q = [[q_ref[p, e] for e in range(2)] for p in range(q_ref.shape[0])]
     m_rows = q_ref.shape[2]
     key_iota = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_K,), 0)
+    sign, scale = score_sign_and_scale(scale_ref[0])
 
     def tile(t, carry):
         m_run, l_run, acc_even, acc_odd = carry
@@ -111,8 +114,8 @@ def _kernel(
         s = dot_nt(q[0][0], k_even) + dot_nt(q[0][1], k_odd)
         for piece in q[1:]:
             s = s + dot_nt(piece[0], k_even) + dot_nt(piece[1], k_odd)
-        s = jnp.where(valid[None, :], s * scale_ref[0], -jnp.inf)
-        m_run, l_run, alpha, p = softmax_update(m_run, l_run, s)
+        s = jnp.where(valid[None, :], s * (sign * FP4_BIAS), -jnp.inf)  # the codes' 2^-6
+        m_run, l_run, alpha, p = softmax_update(m_run, l_run, s, scale)
         p16 = p.astype(jnp.bfloat16)
         acc_even = acc_even * alpha[:, None] + dot_nn(p16, v_even)
         acc_odd = acc_odd * alpha[:, None] + dot_nn(p16, v_odd)
@@ -123,7 +126,7 @@ def _kernel(
     m_run, l_run, acc_even, acc_odd = jax.lax.fori_loop(
         0, num_tiles, tile, (*softmax_init(m_rows), zeros, zeros)
     )
-    inv_l, lse = softmax_finish(m_run, l_run)
+    inv_l, lse = softmax_finish(m_run, l_run, scale)
     norm = (inv_l * FP4_BIAS)[:, None]
     o_ref[:, 0, :] = acc_even * norm
     o_ref[:, 1, :] = acc_odd * norm
@@ -199,7 +202,7 @@ def _partials(
     kernel = functools.partial(
         _kernel, block_size=bs, num_blocks=nb, kv_heads=hk, num_parts=num_partitions
     )
-    scales = jnp.stack([jnp.float32(sm_scale) * FP4_BIAS])
+    scales = jnp.stack([jnp.float32(sm_scale)])
     flat = cache.reshape(nb * bs * hk, slot_bytes)  # a view; read as words (call: byte_args)
     o, lse = call(
         kernel,
