@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import ctypes
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+from tests.cpu_subprocess import child_env
 
 
 def recording_library(directory: Path) -> Path:
@@ -47,3 +51,19 @@ def register_for_cpu(path: str):
         return json.loads(buf.value.decode())
 
     return lib, take
+
+
+def run_recorded(script: str, directory: Path, timeout: int = 1200):
+    """Builds the recording library in ``directory`` and runs ``script`` (a test module run as
+    a script: it registers the library and prints one JSON value) on the CPU backend; returns
+    that value."""
+    library = recording_library(directory)
+    proc = subprocess.run(
+        [sys.executable, script, str(library)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(JAX_PLATFORMS="cpu"),  # the recording handlers are the CPU's
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.splitlines()[-1])

@@ -17,14 +17,12 @@ import ctypes
 import functools
 import json
 import math
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from tests.cpu_subprocess import child_env
-from tests.recording import recording_library, register_for_cpu
+from tests.recording import register_for_cpu, run_recorded
 
 RECORDING_STREAM = 0x5157  # the stand-in stream of the recording build (handlers.cc)
 BIG_RECORDS = 6_600_000  # 4.33 GB of fp8_ds_mla records: byte offsets past 2^32
@@ -259,16 +257,7 @@ def run_driver(library: str) -> dict:
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    library = recording_library(tmp_path_factory.mktemp("ffi"))
-    proc = subprocess.run(
-        [sys.executable, __file__, str(library)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=child_env(JAX_PLATFORMS="cpu"),  # the recording handlers are the CPU's
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+    return run_recorded(__file__, tmp_path_factory.mktemp("ffi"), timeout=900)
 
 
 def launches(events):

@@ -11,7 +11,6 @@ each case runs; its outputs are not compared.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import numpy as np
@@ -21,8 +20,7 @@ from jax_sparse_mla import self_check
 from jax_sparse_mla._build import build_lib
 from jax_sparse_mla.emulation.bounds import decode_split_keys
 from jax_sparse_mla.kernels.gfx950 import configs
-from tests.cpu_subprocess import child_env
-from tests.recording import recording_library, register_for_cpu
+from tests.recording import register_for_cpu, run_recorded
 
 
 def run_driver(library: str) -> list[dict]:
@@ -46,16 +44,7 @@ def run_driver(library: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def plan_launches(tmp_path_factory):
-    library = recording_library(tmp_path_factory.mktemp("ffi"))
-    proc = subprocess.run(
-        [sys.executable, __file__, str(library)],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        env=child_env(JAX_PLATFORMS="cpu"),  # the recording handlers are the CPU's
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+    return run_recorded(__file__, tmp_path_factory.mktemp("ffi"), timeout=1200)
 
 
 def test_the_plan_launches_every_code_object_of_the_library(plan_launches):
