@@ -583,6 +583,16 @@ def times_from_profile(data, module_name: str | None, calls: int, skip: frozense
 # ---------------------------------------------------------------------------------------------
 
 
+def import_peer(module: str, label: str) -> tuple[tuple | None, str]:
+    """((the peer's module, torch), "") or (None, why they cannot be imported)."""
+    try:
+        peer = importlib.import_module(module)
+        import torch
+    except Exception as e:  # ImportError, or a library that fails to load
+        return None, f"{label} not importable: {type(e).__name__}: {e}"
+    return (peer, torch), ""
+
+
 class FlashMLA:
     """FlashMLA's sparse fp8 decode on a sparse_mla case's own arrays (DLPack, no copy)."""
 
@@ -592,12 +602,8 @@ class FlashMLA:
 
     @classmethod
     def load(cls) -> tuple[FlashMLA | None, str]:
-        try:
-            import flash_mla
-            import torch
-        except Exception as e:  # ImportError, or a library that fails to load
-            return None, f"FlashMLA not importable: {type(e).__name__}: {e}"
-        return cls(flash_mla, torch), ""
+        modules, why = import_peer("flash_mla", "FlashMLA")
+        return (None, why) if modules is None else (cls(*modules), "")
 
     def version(self) -> str:
         return str(getattr(self.mla, "__version__", "?"))
@@ -677,11 +683,10 @@ class Aiter:
 
     @classmethod
     def load(cls) -> tuple[Aiter | None, str]:
-        try:
-            import aiter
-            import torch
-        except Exception as e:  # ImportError, or a library that fails to load
-            return None, f"aiter not importable: {type(e).__name__}: {e}"
+        modules, why = import_peer("aiter", "aiter")
+        if modules is None:
+            return None, why
+        aiter, torch = modules
         try:
             from aiter.ops.triton.gluon.mla_decode_gluon import mla_decode_gluon
         except Exception as e:

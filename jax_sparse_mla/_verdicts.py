@@ -28,6 +28,7 @@ without importing the ops, which the self-check itself sits above.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -94,11 +95,15 @@ def is_transient(error: str) -> bool:
 def library_hash() -> str:
     """sha256 of the FFI library file this process loads, "none" without one."""
     path = ffi.library_path()
-    if path is None or not path.exists():
-        return "none"
+    return "none" if path is None or not path.exists() else _file_sha256(path)
+
+
+@functools.cache
+def _file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@functools.cache
 def check_hash() -> str:
     """Of the self-check's cases, this module, the emulation and the configuration list: a
     change to any of them is a new check."""
@@ -316,9 +321,7 @@ def verify(
             if not pending:
                 break
             child = _run_child(pending, device, implementation, on_event)
-            settled = {
-                s: v for s, v in settle(child, pending, record["timeouts"]).items() if s in pending
-            }
+            settled = settle(child, pending, record["timeouts"])
             for symbol, v in settled.items():
                 if v.status != "retry":
                     record["verdicts"][symbol] = v

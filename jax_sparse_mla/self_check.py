@@ -257,14 +257,16 @@ def _ultraquant(seed: int, g: int, block_size: int):
     return run, compare
 
 
+def _merge_layout(x):
+    """The reduce kernel's partials [B, Hk, P, G, ...] as the merges take them: [B, P, Hk * G,
+    ...] (query head h = k G + g)."""
+    b, hk, p, g = x.shape[:4]
+    return jnp.moveaxis(jnp.asarray(x), 2, 1).reshape(b, p, hk * g, *x.shape[4:])
+
+
 def _reduce_emulation(o, max_logits, exp_sums):
     """The reduce's emulation on the kernel's layout: [B, Hk, P, G, 256] -> [B, Hk * G, 256]."""
-    b, hk, p, g, d = o.shape
-
-    def merged(x):
-        return jnp.moveaxis(x, 2, 1).reshape(b, p, hk * g, *x.shape[4:])
-
-    return ultraquant_reduce_gfx950_emulation(merged(o), merged(max_logits), merged(exp_sums))
+    return ultraquant_reduce_gfx950_emulation(*map(_merge_layout, (o, max_logits, exp_sums)))
 
 
 REDUCES = {"flydsl": ultraquant_reduce_flydsl, EMULATION: _reduce_emulation}
@@ -289,12 +291,9 @@ def _reduce(seed: int, batch: int, hk: int, parts: int, g: int):
 
         # The combine's bound (same arithmetic: weights exp(m_p - M) s_p, an f32 sum, one bf16
         # rounding), on the partials as [B, P, Hq, 256] with lse = m + log(s).
-        def merged(x):
-            return np.moveaxis(np.asarray(x, np.float32), 2, 1).reshape(batch, parts, hk * g, -1)
-
         with np.errstate(divide="ignore"):
             lse = np.where(empty, -np.inf, np.asarray(m) + np.log(np.asarray(e)))
-        tol, _ = B.merge_bound(merged(o), merged(lse[..., None])[..., 0], out_e, np.zeros(1))
+        tol, _ = B.merge_bound(_merge_layout(o), _merge_layout(lse), out_e, np.zeros(1))
         return B.compare("out", outputs[0], out_e, tol)
 
     return run, compare
