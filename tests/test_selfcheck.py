@@ -171,10 +171,12 @@ def test_decode_cases_have_rising_and_falling_maxima_over_blocks():
 
 @pytest.fixture
 def mi355(monkeypatch, tmp_path):
-    """This process sees one (fake) MI355 with the FFI library and all its kernels; verdicts
-    kept under tmp_path, none known yet; the child runs the cases with the emulation."""
+    """This process sees one (fake) MI355 with the FFI library (built here or not) and all its
+    kernels; verdicts kept under tmp_path, none known yet; the child runs the cases with the
+    emulation."""
     monkeypatch.setattr(_platform, "rocm_devices", lambda: [MI355])
     monkeypatch.setattr(_platform, "flydsl_available", lambda: True)
+    monkeypatch.setattr(ffi, "rocm_library", lambda: "the FFI library")
     monkeypatch.setattr(ffi, "library_kernels", lambda: configs.all_symbols())
     monkeypatch.setenv(_verdicts.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(_verdicts, "_KNOWN", {})
@@ -277,7 +279,6 @@ def test_library_without_the_kernel_falls_back_and_flydsl_names_the_build_comman
     monkeypatch, mi355
 ):
     monkeypatch.setattr(ffi, "library_kernels", lambda: frozenset())
-    monkeypatch.setattr(ffi, "rocm_library", lambda: "the FFI library")
     no_child(monkeypatch)
     assert (
         lower(
