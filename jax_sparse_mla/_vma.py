@@ -83,3 +83,15 @@ def replicated(x):
         return x
     mesh = sharding.mesh if isinstance(x, jax.core.Tracer) else x.sharding.mesh
     return jax.sharding.reshard(x, NamedSharding(mesh, P()))
+
+
+def split_only_over(x, dims: tuple[int, ...]):
+    """``x`` and its Explicit sharding (for an ``out_sharding=``), where Explicit mesh axes split
+    at most the dimensions ``dims``; else ``x`` gathered (``replicated``) and None. Arrays that
+    no Explicit axis splits come back as they are, with None (XLA propagates the rest)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if sharding is None or all(s is None for s in sharding.spec):
+        return x, None
+    if all(s is None for d, s in enumerate(sharding.spec) if d not in dims):
+        return x, sharding
+    return replicated(x), None

@@ -2,8 +2,11 @@
 
 Every writer here is a pure function that returns the updated cache. Under ``jax.jit`` with the
 cache donated (``jax.jit(f, donate_argnums=...)``) XLA performs the update in place, so a
-serving loop pays for the written rows only. All byte layouts are little-endian and fp8 is OCP
-e4m3fn (never FNUZ); docs/formats.md describes the layouts and rules.
+serving loop pays for the written rows only. A cache split over mesh axes along its first
+dimension (and, for UltraQuant, its KV heads) keeps its split: each device writes its own
+slots, with no collective; a cache split along its bytes is gathered first. All byte layouts
+are little-endian and fp8 is OCP e4m3fn (never FNUZ); docs/formats.md describes the layouts
+and rules.
 
 Bit-exactness notes (XLA on CPU flushes subnormal floats to zero and its ``exp2`` is not exact at
 integers): powers of two are built from exponent bits, ``ceil(log2)`` and ``round(log2)`` are read
@@ -19,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sparse_mla._checks import as_jax, check_array, check_equal, check_scalar
+from jax_sparse_mla._vma import split_only_over
 
 # fp8_ds_mla record layout.
 LATENT_DIM = 512
@@ -215,12 +219,17 @@ def _scatter_rows(flat: jax.Array, slot_mapping: jax.Array, rows: jax.Array) -> 
     """``flat[slot, ..., :w] = row`` (w = row width) for each slot in [0, len(flat)).
 
     Other slots (-1 included) skip. Duplicate slots write one of their rows (which one is
-    unspecified). Bytes past ``w`` of a slot are left as they are.
+    unspecified). Bytes past ``w`` of a slot are left as they are. ``flat`` split over Explicit
+    mesh axes along its slots (dimension 0) or the dimensions after them but the last keeps that
+    split: each device writes the rows of its own slots (no gather of the cache, and in place
+    when donated); other splits are gathered first.
     """
+    flat, sharding = split_only_over(flat, tuple(range(flat.ndim - 1)))
     n = flat.shape[0]
     slots = jnp.where((slot_mapping >= 0) & (slot_mapping < n), slot_mapping, n)
     width = rows.shape[-1]
-    return flat.at[slots, ..., :width].set(rows.astype(flat.dtype), mode="drop")
+    rows = rows.astype(flat.dtype)
+    return flat.at[slots, ..., :width].set(rows, mode="drop", out_sharding=sharding)
 
 
 def concat_and_cache_ds_mla(
@@ -241,7 +250,8 @@ def concat_and_cache_ds_mla(
     op = "concat_and_cache_ds_mla"
     check_array(op, "cache", cache, dtypes=[jnp.uint8], min_ndim=2, last_dims=(RECORD_BYTES,))
     _check_token_batch(op, latent, rope, slot_mapping)
-    cache, latent, rope, slot_mapping = as_jax(cache, latent, rope, slot_mapping)
+    latent, rope, slot_mapping = as_jax(latent, rope, slot_mapping)
+    cache, _ = split_only_over(jnp.asarray(cache), (0,))
     flat = cache.reshape(-1, RECORD_BYTES)
     return _scatter_rows(flat, slot_mapping, _pack_records(latent, rope)).reshape(cache.shape)
 
@@ -280,7 +290,8 @@ def concat_and_cache_mla(
     check_array(op, "cache", cache, dtypes=[jnp.float8_e4m3fn, jnp.uint8], shape=(None, KV_DIM))
     _check_token_batch(op, latent, rope, slot_mapping)
     s = check_scalar(op, "scale", scale)
-    cache, latent, rope, slot_mapping = as_jax(cache, latent, rope, slot_mapping)
+    latent, rope, slot_mapping = as_jax(latent, rope, slot_mapping)
+    cache = jnp.asarray(cache)
     x = jnp.concatenate([latent.astype(jnp.float32), rope.astype(jnp.float32)], axis=-1)
     codes = _e4m3_codes(x / s, x)
     if cache.dtype == jnp.float8_e4m3fn:
@@ -495,7 +506,8 @@ def ultraquant_store(
     _check_float(op, "k", k)
     _check_float(op, "v", v)
     check_array(op, "slot_mapping", slot_mapping, dtypes=[jnp.int32], shape=(k.shape[0],))
-    cache, k, v, slot_mapping = as_jax(cache, k, v, slot_mapping)
+    k, v, slot_mapping = as_jax(k, v, slot_mapping)
+    cache, _ = split_only_over(jnp.asarray(cache), (0, 2))
     k_codes, k_scales = ultraquant_quantize(ultraquant_rotate(k))
     v_codes, v_scales = ultraquant_quantize(v.astype(jnp.float32))
     content = jnp.concatenate([k_codes, k_scales, v_codes, v_scales], axis=-1)  # [T, Hk, 272]

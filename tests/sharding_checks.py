@@ -540,6 +540,44 @@ def check_validation() -> None:
     print("validation ok")
 
 
+def check_writers(kind: str) -> None:
+    """The writers under jit with the cache donated and split along its first dimension (and,
+    for UltraQuant, its KV heads) on an Explicit or Auto mesh: the bytes of one device's
+    write, the split kept, no collective, the donated cache consumed (updated in place). A
+    cache split along its bytes is gathered first: the same bytes."""
+    m = mesh_of(kind)
+    r = C.rng(12)
+    slots = jnp.asarray([3, 70, -1, 127, 15, 200], jnp.int32)
+    latent, rope = C.bf16_normal(r, (6, 512)), C.bf16_normal(r, (6, 64))
+    k, v = C.bf16_normal(r, (6, 8, 256)), C.bf16_normal(r, (6, 8, 256))
+    writes = {  # name: (writer, cache, its split, tokens, kept in place)
+        "ds_mla": (jsm.concat_and_cache_ds_mla, (8, 16, 656), P("dp"), (latent, rope), True),
+        "ds_mla bytes": (
+            jsm.concat_and_cache_ds_mla,
+            (8, 16, 656),
+            P(None, None, "tp"),
+            (latent, rope),
+            False,
+        ),
+        "mla": (jsm.concat_and_cache_mla, (128, 576), P("dp"), (latent, rope), True),
+        "ultraquant": (jsm.ultraquant_store, (4, 16, 8, 272), P("dp", None, "tp"), (k, v), True),
+    }
+    for name, (writer, shape, spec, tokens, kept) in writes.items():
+        cache = jnp.asarray(r.integers(0, 256, shape), jnp.uint8)
+        want = np.asarray(writer(cache, *tokens, slots % (cache.size // shape[-1] // 2)))
+        split = jax.device_put(cache, NamedSharding(m, spec))
+        f = jax.jit(
+            lambda c, *t, w=writer: w(c, *t, slots % (c.size // c.shape[-1] // 2)), donate_argnums=0
+        )
+        assert (collectives(f, split, *tokens) == []) == kept, (name, kind)
+        got = f(split, *tokens)
+        assert np.array_equal(np.asarray(got), want), (name, kind)
+        if kept:
+            same = got.sharding.is_equivalent_to(NamedSharding(m, spec), got.ndim)
+            assert same and split.is_deleted(), (name, kind, got.sharding)
+    print(f"writers_{kind} ok")
+
+
 def check_readme() -> None:
     """The README's Python code blocks, run as written (in order, in one namespace) over small
     arrays of the names they use."""
@@ -583,6 +621,8 @@ CHECKS = {
     "placement_auto": functools.partial(check_placement, "auto"),
     "plain_ops_explicit": check_plain_ops_explicit,
     "validation": check_validation,
+    "writers_explicit": functools.partial(check_writers, "explicit"),
+    "writers_auto": functools.partial(check_writers, "auto"),
     "readme": check_readme,
 }
 

@@ -26,6 +26,8 @@ from tests.cpu_subprocess import run_on_cpu
         "placement_auto",
         "plain_ops_explicit",
         "validation",
+        "writers_explicit",
+        "writers_auto",
         "readme",
     ],
 )
