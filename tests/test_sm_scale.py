@@ -15,7 +15,8 @@ from tests import cases as C
 from tests import oracle as O
 
 SCALES = [1e37, -1e37]
-IMPLS = ["xla", "pallas"]  # "pallas": interpret mode on the CPU
+MOSAIC = pytest.param("mosaic", marks=pytest.mark.gpu)  # a Hopper GPU; no interpret mode
+IMPLS = ["xla", "pallas", MOSAIC]  # "pallas": interpret mode on the CPU
 
 
 def _close(got, want, what):
