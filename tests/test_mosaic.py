@@ -260,7 +260,7 @@ def test_the_softmax_scales_after_the_max_at_any_finite_scale(scale):
     visible = rng.random(size=(2, P.T, 1)) > 0.2
     raw[0, 7], raw[1, 5], visible[0, 7], visible[1, 5] = -30, 30, True, True
     v = rng.normal(size=(2, P.T, d)).astype(np.float32)
-    sign, mag = P.score_factors(jnp.full((m,), np.float32(scale) * np.float32(P.LOG2E)))
+    sign, mag = P.score_factors(np.float32(scale) * np.float32(P.LOG2E))
 
     def by_row(x):
         return jnp.broadcast_to(x, (P.T, m))
@@ -268,7 +268,7 @@ def test_the_softmax_scales_after_the_max_at_any_finite_scale(scale):
     m_run, l_run = jnp.full((m,), -jnp.inf), jnp.zeros((m,))  # ``softmax_start``'s
     acc = jnp.zeros((d, m))
     for t in range(2):
-        sc = jnp.where(visible[t], raw[t] * by_row(sign), -jnp.inf)
+        sc = jnp.where(visible[t], raw[t] * sign, -jnp.inf)
         m_new = jnp.maximum(m_run, sc.max(axis=0))
         alpha, p = P.softmax_step(sc, m_run, m_new, by_row, mag)
         l_run, acc, m_run = l_run * alpha + p.sum(axis=0), acc * alpha + v[t].T @ p, m_new

@@ -1207,18 +1207,19 @@ def _finite_max(m):
 
 
 def score_factors(scale, bias=1.0):
-    """(sign, mag) [m] f32 of the rows' score scale ``scale`` [m] f32 (log2 units, signed):
-    the kernels take the running max of the scores times ``sign`` (sign(scale) * ``bias``, a
-    power of two or 0: exact) and multiply by ``mag`` (|scale| clamped to float32's normal
-    range, so that a masked -inf score gives 0, never 0 x -inf) only after subtracting it
-    (``softmax_step``): any finite scale gives finite weights."""
+    """(sign, mag) f32 of the call's score scale ``scale`` (log2 units, signed; a scalar, the
+    same for every row: one register, not one per row): the kernels take the running max of
+    the scores times ``sign`` (sign(scale) * ``bias``, a power of two or 0: exact) and
+    multiply by ``mag`` (|scale| clamped to float32's normal range, so that a masked -inf
+    score gives 0, never 0 x -inf) only after subtracting it (``softmax_step``): any finite
+    scale gives finite weights."""
     f32 = np.finfo(np.float32)
     return jnp.sign(scale) * bias, jnp.clip(jnp.abs(scale), f32.tiny, f32.max)
 
 
 def rebase(m_old, m_new, mag):
     """[m] factors moving sums (or accumulators) on the running max ``m_old`` to ``m_new``
-    (signed unscaled scores, ``score_factors``; ``mag`` [m] their scale): 0 from -inf."""
+    (signed unscaled scores, ``score_factors``; ``mag`` their scale): 0 from -inf."""
     return jnp.exp2((m_old - _finite_max(m_new)) * mag)
 
 
@@ -1228,7 +1229,7 @@ def softmax_step(sc, m_run, m_new, by_row, mag):
     ``m_run`` to ``m_new``: P = 2^(``mag`` (sc - max)), the scale applied after the max is
     subtracted (one multiply per score); ``by_row`` broadcasts [m] values over ``sc``'s
     shape."""
-    return rebase(m_run, m_new, mag), jnp.exp2((sc - by_row(_finite_max(m_new))) * by_row(mag))
+    return rebase(m_run, m_new, mag), jnp.exp2((sc - by_row(_finite_max(m_new))) * mag)
 
 
 def out_factor(out_scale, l_run):
@@ -1471,9 +1472,13 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
         q_args = (q_ref.at[g], s["q_lat"], s["q_rope"], hb * m, s.get("q_max"))
         _stage_q_rows(fmt, c, *q_args)
         plgpu.commit_smem()  # q visible to this warpgroup's wgmmas
-        sign, mag = score_factors(load(s["scale"].at[pl.ds(0, m)], per_row))
-        if "q_max" in s:  # each row of q was staged times its 2^e
+        sign, mag = score_factors(s["scale"][0])
+        if "q_max" in s:  # each row of q was staged times its 2^e: a sign per row
             sign = sign * q_unscale(load(s["q_max"].at[pl.ds(0, m)], per_row))
+
+        def signed(x):  # the scores x [T, m] times their rows' signs
+            return x * (by_row(sign) if "q_max" in s else sign)
+
         out_scale = load(s["scale"].at[pl.ds(DB, m)], per_row)
         if fmt.causal:
             bound = total - fmt.qlen + load(s["rowpos"].at[pl.ds(0, m)], per_row)
@@ -1543,7 +1548,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             visible = by_key(ids) >= 0
             if fmt.causal:
                 visible = visible & (by_key(iota + (lo + t * T)) <= by_row(bound))
-            sc_t = jnp.where(visible, sc_t * by_row(sign), -jnp.inf)  # signed, unscaled
+            sc_t = jnp.where(visible, signed(sc_t), -jnp.inf)  # unscaled
             if c == 0:
                 m_new = jnp.maximum(m_run, sc_t.max(axis=0))
                 s["ml"][pl.ds(0, m)] = m_new
@@ -1601,7 +1606,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
         them once after the walk; the warpgroup whose turn comes last adds both. P^T and alpha
         go to the V warpgroups in slot c (``p_full``) once they freed it (``p_free``)."""
         plgpu.set_max_registers(consumer_registers(fmt.consumers), action="increase")
-        sign, mag = score_factors(load(s["scale"].at[pl.ds(0, m)], per_row), FP4_BIAS)
+        sign, mag = score_factors(s["scale"][0], FP4_BIAS)
         # RESCALE_SLACK in the unscaled scores' units (float32's max at most: -inf + it is -inf)
         slack = jnp.minimum(RESCALE_SLACK / mag, np.finfo(np.float32).max)
         shift = fp4_shift()
@@ -1630,7 +1635,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             sc_t = pl.run_scoped(run, plgpu.ACC((T, fmt.q_pieces * m), jnp.float32))
             plgpu.barrier_arrive(s["consumed"].at[stage])
             visible = by_key(ids) >= 0
-            sc_t = jnp.where(visible, sc_t * by_row(sign), -jnp.inf)  # the codes' 2^-6 undone
+            sc_t = jnp.where(visible, sc_t * sign, -jnp.inf)  # the codes' 2^-6 undone
             take_turn(t)
             m_run = load(s["ml"].at[pl.ds(0, m)], per_row)  # after tile t - 1 (-inf at init)
             # the vote's barrier orders every thread's load before the store
