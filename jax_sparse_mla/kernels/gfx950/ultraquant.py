@@ -56,7 +56,9 @@ keys of partition p and writes one partial.
    M' = max(M, max_t s_t); alpha = exp2((M - M') * c) (1 while M = -inf);
    p_t = exp2((s_t - M') * c) (0 while M' = -inf); tile sum ((p0+p1)+p2)+p3 per 4-token
    group g, then (S0+S1)+(S2+S3); L' = L * alpha + tile sum; exp2 is v_exp_f32. (c replaces
-   the log2e multiply of an exp2 argument: no instruction more per score than scaling first.)
+   the log2e multiply of an exp2 argument, sign the sm_scale multiply of a score: the same
+   operations per score as scaling first; the g8_bs16 ISA has 1931 VALU instructions, 1923
+   before.)
 4. PV: V = fp4 * 2^(e - 127) as bf16 (v_cvt_scalef32_pk_bf16_fp4, exact) stored row-major to
    LDS, read back transposed with ds_read_b64_tr_b16 (within each 16-lane row, lane t element
    k = lane 4k + t//4's element t%4: AMD's documented semantics, probe.py; an MI355 checks it
