@@ -17,9 +17,10 @@ and ``S = sm_scale max_k sum_i |q8_i k_i|`` (rotated dims):
 * The final bf16 rounding: ``2^-8 |out|``, i.e. ``2^-8 |ref|`` and ``2^-8`` of the other terms.
 * f32 arithmetic: ``2 oracle.attn_atol(n, M, S)``. The products ``q8_i k_i`` are exact in f32
   (4 and 3 significant bits); ``attn_atol`` budgets the score sum's ``4 2^-24 S`` and the f32
-  softmax sums; doubling it covers the exp2 argument ``(s - M') log2e`` (two roundings of a
-  value ``<= 2 S``: ``~2^-22 S``), the emulated exp2 (exact integer part, ``<= 2`` ulp
-  fraction), one alpha rescale per 16-token tile and the reduce's weights.
+  softmax sums; doubling it covers the exp2 argument ``(s - M') c`` (the unscaled difference
+  and its product with ``c = |sm_scale| log2e``, each rounded, and ``c``'s own rounding: three
+  roundings of a value ``<= 2 S`` in nats, ``~2^-21 S``), the emulated exp2 (exact integer
+  part, ``<= 2`` ulp fraction), one alpha rescale per 16-token tile and the reduce's weights.
 
 So ``|emu - ref| <= 2^-8 |ref| + (1 + 2^-8) ((1 + [P > 1]) 2^-8 A_d + 2 attn_atol)``. The test
 against the exact reference compares per-partition partials the same way (``A`` of the
@@ -281,6 +282,20 @@ def test_reduce_matches_merge():
     tol = BF16_HALF_ULP * np.abs(ref) + 2.0**-18 * np.max(np.abs(O.to_f64(o)))
     assert np.all(err <= tol) and np.all(O.to_f64(out)[1] == 0)
     np.testing.assert_array_equal(O.to_f64(out)[0], O.to_f64(o)[0, 0])
+
+
+def test_reduce_keeps_partials_whose_max_logit_overflowed():
+    """Partitions whose max logit |sm_scale M| overflowed float32 (+inf) weigh by their sums
+    alone and the others 0 (a finite output, where max_logit - M would be NaN); a partition
+    with keys whose max logit overflowed to -inf beside empty ones keeps its o."""
+    r = C.rng(9)
+    o = C.bf16_normal(r, (2, 3, 1, 256))
+    ml = np.float32([[np.inf, 5.0, np.inf], [-np.inf, -np.inf, -np.inf]])[..., None]
+    es = np.float32([[2.0, 3.0, 6.0], [0.0, 4.0, 0.0]])[..., None]
+    out = O.to_f64(_reduce(o, jnp.asarray(ml), jnp.asarray(es)))
+    o64 = O.to_f64(o)
+    want = np.stack([(2 * o64[0, 0] + 6 * o64[0, 2]) / 8, o64[1, 1]])
+    assert np.all(np.abs(out - want) <= BF16_HALF_ULP * np.abs(want) + 2.0**-20)
 
 
 def test_jit_vmap():

@@ -246,6 +246,41 @@ def test_vote_ptx_ors_every_lanes_comparisons(lane, pair, x, limit, expect):
     assert [r["$0"] for r in regs] == [expect] * 128
 
 
+@pytest.mark.parametrize("scale", [1e37, -1e37, 0.3, -0.3, 0.0, 1e-45])
+def test_the_softmax_scales_after_the_max_at_any_finite_scale(scale):
+    """The consumers' online softmax (``score_factors``, ``softmax_step``, ``lse_of``) over two
+    tiles of scores ~2, some keys masked, one key of 30 in the second and of -30 in the
+    first, against float64: at +-1e37 the largest scaled score, 3e38, overflows float32 in
+    log2 units (and the lse is still finite), the weights are finite (one-hot); at 0 and at a
+    subnormal scale (|scale| clamped to float32's smallest normal) a masked key weighs 0, not
+    NaN."""
+    rng = np.random.default_rng(1)
+    m, d = 4, 3
+    raw = (2 * rng.normal(size=(2, P.T, m))).astype(np.float32)
+    visible = rng.random(size=(2, P.T, 1)) > 0.2
+    raw[0, 7], raw[1, 5], visible[0, 7], visible[1, 5] = -30, 30, True, True
+    v = rng.normal(size=(2, P.T, d)).astype(np.float32)
+    sign, mag = P.score_factors(np.float32(scale) * np.float32(P.LOG2E))
+
+    def by_row(x):
+        return jnp.broadcast_to(x, (P.T, m))
+
+    m_run, l_run = jnp.full((m,), -jnp.inf), jnp.zeros((m,))  # ``softmax_start``'s
+    acc = jnp.zeros((d, m))
+    for t in range(2):
+        sc = jnp.where(visible[t], raw[t] * sign, -jnp.inf)
+        m_new = jnp.maximum(m_run, sc.max(axis=0))
+        alpha, p = P.softmax_step(sc, m_run, m_new, by_row, mag)
+        l_run, acc, m_run = l_run * alpha + p.sum(axis=0), acc * alpha + v[t].T @ p, m_new
+    lse = P.lse_of(m_run, l_run, l_run != 0, mag)
+    logits = np.where(visible, np.float64(np.float32(scale)) * raw, -np.inf).reshape(-1, m)
+    want_lse = np.logaddexp.reduce(logits, axis=0)
+    w = np.exp(logits - want_lse)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-6, atol=1e-6)
+    want = np.einsum("km,kd->dm", w, v.reshape(-1, d).astype(np.float64))
+    np.testing.assert_allclose(np.asarray(acc / l_run), want, rtol=1e-5, atol=1e-6)
+
+
 def test_named_barriers_are_distinct_and_past_mosaic_gpus():
     """Our named barriers (the producer's, the consumers', the K and V consumers', each K
     warpgroup's vote) differ from each other and from Mosaic GPU's own: 0 and 1 + warpgroup

@@ -1,9 +1,11 @@
 """Any finite ``sm_scale`` gives a finite result where the exact attention is finite: the
-exact path and the Pallas kernels multiply the scores by the scale only after their running
-maximum is subtracted (and merges of partials whose lse overflows float32 keep the overflowed
-ones). A scale of 1e37 makes every scaled score overflow float32 (|q·k| is ~10 here); the
-float64 oracle does not. (The gfx950 kernels and their emulation, and the Mosaic GPU kernels,
-scale before the max: README, "Use".)"""
+exact path, the Pallas and the Mosaic GPU kernels ("mosaic": a Hopper GPU, ``gpu`` marker),
+and the gfx950 ``ultraquant_decode`` kernel and its emulation take the running maximum of the
+scores times the scale's sign and multiply by |sm_scale| only after it is subtracted (and
+merges of partials whose lse overflows float32 keep the overflowed ones). A scale of 1e37
+makes every scaled score overflow float32 (|q·k| is ~10 here); the float64 oracle does not.
+(The gfx950 ``sparse_mla`` and ``mla_decode`` kernels and their emulation still scale before
+the max: README, "Use".)"""
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +17,8 @@ from tests import cases as C
 from tests import oracle as O
 
 SCALES = [1e37, -1e37]
-IMPLS = ["xla", "pallas"]  # "pallas": interpret mode on the CPU
+MOSAIC = pytest.param("mosaic", marks=pytest.mark.gpu)  # a Hopper GPU; no interpret mode
+IMPLS = ["xla", "pallas", MOSAIC]  # "pallas": interpret mode on the CPU
 
 
 def _close(got, want, what):
@@ -52,7 +55,7 @@ def test_mla_decode(sm_scale, num_splits, impl):
         assert np.all(np.isfinite(np.asarray(out, np.float32)))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", [*IMPLS, "gfx950_emulation"])
 @pytest.mark.parametrize("sm_scale", SCALES)
 def test_ultraquant_decode(sm_scale, impl):
     c = C.uq_case(7, seq_lens=(5, 40), hk=1, g=2)

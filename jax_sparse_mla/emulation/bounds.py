@@ -9,7 +9,7 @@ term needs the exact softmax weights:
 * ultraquant ``A = sum_k w_k |V_k|`` is the emulation's own output on the cache with V's sign
   bits cleared (``abs_v_cache``), times ``1 + 2^-6`` for its roundings (K is stored apart from
   V there, so the weights do not change);
-* ultraquant ``S = sm_scale max_k sum_i |q8_i k_i| <= sm_scale |q8| max_k |k|`` (Cauchy-Schwarz,
+* ultraquant ``S = |sm_scale| max_k sum_i |q8_i k_i| <= |sm_scale| |q8| max_k |k|`` (Cauchy-Schwarz,
   with ``|q8| <= (1 + 2^-4) |q| + 2^-6``: the rotation is orthonormal and e4m3 rounds by at most
   2^-4 relative, or 2^-10 absolute for each of the 256 subnormals); the term it enters is
   2^-15 of max|V|, so the looser S costs nothing.
@@ -194,7 +194,7 @@ def ultraquant_bound(q, cache, block_tables, seq_lens, *, sm_scale, num_partitio
         k, v = map(f64, ultraquant_unpack(cache[blk[ok], j[ok] % bs, :, :UQ_SLOT_CONTENT_BYTES]))
         k_norm = np.linalg.norm(k, axis=-1).max(axis=0)  # [Hk]
         vmax = np.abs(v).max(axis=(0, 2))  # [Hk]
-        s = sm_scale * q8_norm[b] * np.repeat(k_norm, g)
+        s = abs(sm_scale) * q8_norm[b] * np.repeat(k_norm, g)
         atol[b] = 2.0**-15 * (1 + s) * np.repeat(vmax, g)
     p_terms = (2 if num_partitions > 1 else 1) * 2.0**-7 * (1 + 2.0**-6) * np.abs(a_e)
     return 2.0**-7 * np.abs(out_e) + p_terms + atol[..., None]

@@ -15,20 +15,25 @@ v_med3 before it, say), so the kernel clamps first and a huge q saturates to +-4
 Partials (partition p of P owns the 128-token tile-groups p, p + P, ...; each is 8 tiles of 16
 tokens; per request, KV head, query head):
 
-* Scores ``s = f32(f32(sum_i q8_i k_i) * sm_scale)`` with ``k = fp4 * 2^(e - 127)`` (exact)
+* The scale (``score_scale``): ``sign = -1`` where ``sm_scale``'s sign bit is set, else 1;
+  ``mag = max(|sm_scale|, 2^-126)``; ``c = f32(mag log2e)``, float32's max where it overflows.
+* Scores ``s = f32(sum_i q8_i k_i) * sign`` (exact) with ``k = fp4 * 2^(e - 127)`` (exact)
   over the rotated dims; ``-inf`` for a token >= seq_len (clamped to [0, max_blocks * block_size])
   or in a block-table entry outside [0, num_blocks). Masked tokens' V are 0 (the kernel never
   loads them).
-* Per tile, in order: ``M' = max(M, max_t s_t)``; ``alpha = exp2((M - M') log2e)`` (1 while
-  ``M = -inf``); ``p_t = exp2((s_t - M') log2e)`` (0 while ``M' = -inf``; ``log2e`` rounded to
-  f32); tile sum ``((p0+p1)+p2)+p3`` per 4 tokens, then ``(S0+S1)+(S2+S3)``;
+* Per tile, in order: ``M' = max(M, max_t s_t)``; ``alpha = exp2(f32(M - M') c)`` (1 while
+  ``M = -inf``); ``p_t = exp2(f32(s_t - M') c)`` (0 while ``M' = -inf``): sm_scale meets the
+  scores only after the max is subtracted, so any finite sm_scale gives finite weights; tile
+  sum ``((p0+p1)+p2)+p3`` per 4 tokens, then ``(S0+S1)+(S2+S3)``;
   ``L' = f32(L alpha) + tile sum``; ``O' = f32(O alpha) + sum_t bf16(p_t) v_t``.
-* ``o = bf16(O * f32(1 / L))`` (``L = 0``: divisor 1, o = 0), ``max_logit = M``,
-  ``exp_sum = L``.
+* ``o = bf16(O * f32(1 / L))`` (``L = 0``: divisor 1, o = 0), ``max_logit = f32(M mag)``
+  (natural-log units; +-inf where it overflows), ``exp_sum = L``.
 
-Reduce, per request and query head, partitions in order: ``M = max_p max_logit_p`` (0 if all
-are -inf); ``w_p = f32(exp2((max_logit_p - M) log2e)) * exp_sum_p``; ``W = sum_p w_p``,
-``acc = sum_p f32(w_p o_p)``; ``out = bf16(acc * f32(1 / W))``, 0 when ``W = 0``.
+Reduce, per request and query head, partitions in order: ``M = max_p max_logit_p``;
+``w_p = f32(exp2(d_p log2e)) * exp_sum_p`` with ``d_p = 0`` where ``max_logit_p = M`` (also
+both -inf or both +inf: overflowed partitions weigh by their sums alone) and
+``max_logit_p - M`` elsewhere; ``W = sum_p w_p``, ``acc = sum_p f32(w_p o_p)``;
+``out = bf16(acc * f32(1 / W))``, 0 when ``W = 0``.
 
 Not modeled: the MFMAs' accumulation order and internal precision (the QK dot over 256 dims,
 the 16-token PV sum and its addition to ``O alpha`` run here in XLA's f32 order; the device may
@@ -39,7 +44,7 @@ values below 2^-126, e.g. probabilities of keys 87 nats below the maximum, or fp
 
 Kernel vs emulation, an MI355 test should allow per element (out = the reduced output)
 ``2^-7 |out_emu| + (1 + [P > 1]) 2^-7 A + 2^-15 (1 + S) max|V|`` with ``A = sum_k w_k |V_k|``
-(``<= max|V|``) and ``S = sm_scale max_k sum_i |q8_i k_i|``: a probability, a partial o or the
+(``<= max|V|``) and ``S = |sm_scale| max_k sum_i |q8_i k_i|``: a probability, a partial o or the
 output can land on the other side of a bf16 rounding (one bf16 ulp, ``<= 2^-7`` relative), and
 the f32 sums can differ in order (worst case ``256 * 2^-24`` of the score's absolute sum,
 moving the output by twice that times max|V|). Flips are rare (an f32-level difference over a
@@ -65,6 +70,7 @@ TILE = 16  # tokens per online-softmax step (one MFMA tile)
 TILE_GROUP = 128  # tokens per partition work item
 N_TILES = TILE_GROUP // TILE
 LOG2E = np.float32(math.log2(math.e))  # the kernel's f32 constant
+_F32 = np.finfo(np.float32)
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -87,6 +93,16 @@ def rotate_query(q: jax.Array) -> jax.Array:
         stride *= 2
     x = x.reshape(*lead, UQ_HEAD_DIM) * jnp.float32(1.0 / 16.0)
     return round_e4m3(x)
+
+
+def score_scale(sm_scale) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The kernel's ``_score_scale``: (sign, mag, c) float32 of ``sm_scale`` (module
+    docstring); NaN stays NaN."""
+    scale = jnp.asarray(sm_scale, jnp.float32)
+    sign = jnp.where(jnp.signbit(scale), jnp.float32(-1.0), jnp.float32(1.0))
+    mag = jnp.where(jnp.abs(scale) < _F32.tiny, _F32.tiny, jnp.abs(scale))  # NaN stays NaN
+    c = mag * LOG2E
+    return sign, mag, jnp.where(c > _F32.max, _F32.max, c)
 
 
 def _tile_sum(p: jax.Array) -> jax.Array:
@@ -124,7 +140,7 @@ def ultraquant_decode_gfx950_partials_emulation(
     p_count = num_partitions or 1
     max_blocks = block_tables.shape[1]
     seq_len = jnp.clip(seq_lens, 0, max_blocks * bs)
-    scale = jnp.asarray(sm_scale, jnp.float32)
+    sign, mag, c = score_scale(sm_scale)
     part = jnp.tile(jnp.arange(p_count, dtype=jnp.int32), bsz)  # rows r = b * P + p
     req = jnp.repeat(jnp.arange(bsz, dtype=jnp.int32), p_count)
     row_len = seq_len[req][:, None]
@@ -141,11 +157,11 @@ def ultraquant_decode_gfx950_partials_emulation(
         k, v = _unpack_slots(cache[jnp.where(valid, block, 0), pos % bs])  # [R, 16, Hk, 256]
         v = jnp.where(valid[..., None, None], v, 0.0)
         raw = jnp.einsum("rhgd,rthd->rhgt", q8, k, precision=_HIGHEST)
-        s = jnp.where(valid[:, None, None, :], raw * scale, neg_inf)
+        s = jnp.where(valid[:, None, None, :], raw * sign, neg_inf)
         new_max = jnp.maximum(run_max, jnp.max(s, axis=-1))
-        alpha = exp2(jnp.where(run_max > neg_inf, run_max - new_max, 0.0) * LOG2E)
+        alpha = exp2(jnp.where(run_max > neg_inf, run_max - new_max, 0.0) * c)
         live = (new_max > neg_inf)[..., None]
-        p = exp2(jnp.where(live, s - new_max[..., None], neg_inf) * LOG2E)
+        p = exp2(jnp.where(live, s - new_max[..., None], neg_inf) * c)
         run_sum = run_sum * alpha + _tile_sum(p)
         p16 = rounded(p, jnp.bfloat16)
         pv = jnp.einsum("rhgt,rthd->rhgd", p16, v, precision=_HIGHEST)
@@ -163,7 +179,7 @@ def ultraquant_decode_gfx950_partials_emulation(
     o = narrow(acc * inv[..., None], jnp.bfloat16)
     return (
         o.reshape(bsz, p_count, hq, UQ_HEAD_DIM),
-        run_max.reshape(bsz, p_count, hq),
+        (run_max * mag).reshape(bsz, p_count, hq),
         run_sum.reshape(bsz, p_count, hq),
     )
 
@@ -173,8 +189,8 @@ def ultraquant_reduce_gfx950_emulation(
 ) -> jax.Array:
     """The reduce kernel: merges [B, P, Hq, 256] bf16 partials into [B, Hq, 256] bf16."""
     top = jnp.max(max_logits, axis=1, keepdims=True)
-    ref = jnp.where(top == -jnp.inf, 0.0, top)
-    w = exp2((max_logits - ref) * LOG2E) * exp_sums  # [B, P, Hq]
+    d = jnp.where(max_logits == top, 0.0, max_logits - top)
+    w = exp2(d * LOG2E) * exp_sums  # [B, P, Hq]
 
     def add(carry, part):
         total, acc = carry

@@ -26,8 +26,12 @@ keys of partition p and writes one partial.
    straight into the operand: lane l holds token l&15, rotated dims 128h + 32(l>>4) .. +31 =
    32-group 4h + (l>>4); B = the e4m3 q; scale_a = that group's UE8M0 byte, scale_b = 0x7F = 1),
    f32 accumulation: raw = sum_d fp4_d * 2^(e_g - 127) * q8_d over the rotated dims d. Score
-   s = f32(raw * sm_scale); -inf for a token >= seq_len or in a block-table entry outside
-   [0, num_blocks).
+   s = raw * sign (exact; sign = -1 where sm_scale's sign bit is set, else 1); -inf for a
+   token >= seq_len or in a block-table entry outside [0, num_blocks). sm_scale itself enters
+   only after the running max is subtracted (step 3), so any finite sm_scale gives finite
+   weights: mag = max(|sm_scale|, 2^-126) (so that a masked -inf never meets a 0 scale) and
+   c = f32(mag * log2e) (float32's max where that overflows), once per wave
+   (``_score_scale``).
    Operand layout assumed: the scaled MFMA lays out each operand by its own bit width. A 4-bit
    (e2m1) operand holds 32 contiguous K values 32g .. 32g+31 in lane group g (bytes 0-15, low
    nibble first); an 8-bit (e4m3) operand holds bytes 0-15 at K 16g .. and bytes 16-31 at
@@ -48,17 +52,21 @@ keys of partition p and writes one partial.
    No machine of this project ran it: tests/test_gfx950.py::test_mfma_operand_layouts_e2m1_e4m3
    checks it on an MI355 with the probe kernel (probe.py), and tests/test_emulation_ultraquant.py
    ::test_kernel_layout models this MFMA operand by operand on the CPU.
-3. Online softmax per 16-token tile and query row, natural-log units, f32:
-   M' = max(M, max_t s_t); alpha = exp2((M - M') * log2e) (1 while M = -inf);
-   p_t = exp2((s_t - M') * log2e) (0 while M' = -inf); tile sum ((p0+p1)+p2)+p3 per 4-token
-   group g, then (S0+S1)+(S2+S3); L' = L * alpha + tile sum; exp2 is v_exp_f32.
+3. Online softmax per 16-token tile and query row, f32, on the signed unscaled scores:
+   M' = max(M, max_t s_t); alpha = exp2((M - M') * c) (1 while M = -inf);
+   p_t = exp2((s_t - M') * c) (0 while M' = -inf); tile sum ((p0+p1)+p2)+p3 per 4-token
+   group g, then (S0+S1)+(S2+S3); L' = L * alpha + tile sum; exp2 is v_exp_f32. (c replaces
+   the log2e multiply of an exp2 argument, sign the sm_scale multiply of a score: the same
+   operations per score as scaling first; the g8_bs16 ISA has 1931 VALU instructions, 1923
+   before.)
 4. PV: V = fp4 * 2^(e - 127) as bf16 (v_cvt_scalef32_pk_bf16_fp4, exact) stored row-major to
    LDS, read back transposed with ds_read_b64_tr_b16 (within each 16-lane row, lane t element
    k = lane 4k + t//4's element t%4: AMD's documented semantics, probe.py; an MI355 checks it
    by tests/test_gfx950.py::test_ds_read_b64_tr_b16_lane_map); P rounded to bf16 (RNE);
    O' = O * alpha + mfma_f32_16x16x16_bf16(V^T, P) (f32 accumulation).
-5. Partial p: o = bf16(O * f32(1 / L)) (L = 0 -> divisor 1, o = 0), max_logit = M (f32,
-   -inf for a partition without keys), exp_sum = L (f32).
+5. Partial p: o = bf16(O * f32(1 / L)) (L = 0 -> divisor 1, o = 0), max_logit = f32(M * mag)
+   (the largest scaled logit, natural-log units; -inf for a partition without keys, +-inf
+   where |sm_scale M| >= 2^128), exp_sum = L (f32).
 
 Partitioning: partition p owns the 128-token tile-groups p, p+P, p+2P, ... of the request
 (KV_COMPUTE_BLOCK = 128, like the reference); a tile-group is N_TILES = 8 tiles of TILE = 16
@@ -72,16 +80,18 @@ memory, so their V is 0 and garbage never meets a 0 probability. Block-table ent
 seq_lens are read with scalar (s_buffer_load) loads: they are uniform across the wave.
 
 Reduce (``ultraquant_reduce``, one variant): grid (num_seqs, num_q_heads), one wave; lane l
-owns dims 4l .. 4l+3. M = max_p max_logit_p (0 when all are -inf);
-w_p = exp2((max_logit_p - M) * log2e) * exp_sum_p; W = sum_p w_p and acc = sum_p w_p * o_p
-in partition order; out = bf16(acc * f32(1 / W)), 0 when W = 0 (no key in the request).
+owns dims 4l .. 4l+3. M = max_p max_logit_p; w_p = exp2(d_p * log2e) * exp_sum_p with
+d_p = 0 where max_logit_p = M (also both -inf, or both +inf: partitions whose max logit
+overflowed weigh by their sums alone, the others 0) and max_logit_p - M elsewhere; W = sum_p
+w_p and acc = sum_p w_p * o_p in partition order; out = bf16(acc * f32(1 / W)), 0 when W = 0
+(no key in the request).
 
 LDS (decode): 12800 bytes: [0, 4096) the e4m3 q tile (16 rows x 256 B, written once, read as
 the QK B operands each tile), [4096, 12800) the bf16 V tile (16 tokens x 544 B: 512 B + 32 B
 of row padding, so each 16-lane transposed read hits distinct banks). Design occupancy: 3
 waves per SIMD. LDS allows exactly that (12 one-wave workgroups per CU: LDS-bound, by
 design) and the registers are budgeted to match (waves_per_eu 3: at most 168 VGPRs; the variants
-use 153-160 VGPRs, no AGPR, 48-50 SGPRs, no spill, no scratch). The next
+use 154-164 VGPRs, no AGPR, 46-48 SGPRs, no spill, no scratch). The next
 tile's loads are issued before the current tile's math (prefetch depth 1); empty volatile asm
 "pins" of each tile's inputs and of each group of 4 PV results are ordering points that keep
 the compiler from overlapping tiles, which would not fit the register budget. The reduce uses
@@ -109,7 +119,7 @@ reduce  out        bf16 [B*Hq*256]
 Preconditions: slot_bytes >= 272 and a multiple of 4; 16 * num_kv_heads * slot_bytes < 2^31;
 max_blocks_per_seq * block_size < 2^31; num_seqs * num_q_heads * num_partitions < 2^31 (row
 indices in int32; every buffer base is then offset in 64 bits, so no buffer size limit).
-seq_lens is clamped to [0, max_blocks_per_seq * block_size]; sm_scale is any f32.
+seq_lens is clamped to [0, max_blocks_per_seq * block_size]; sm_scale is any finite f32.
 
 Decisions of this kernel (where the reference design it started from, a gfx950 kernel outside
 this repository, is silent or differs): TILE 16, N_TILES 8 and the LDS
@@ -176,6 +186,9 @@ DECODE_WAVES_PER_SIMD = LDS_PER_CU // LDS_BYTES // SIMDS_PER_CU
 
 FP8_MAX = 448.0
 NEG_INF = float("-inf")
+SIGN_BIT = -(2**31)  # float32 bits (as int32): the sign, 1.0, the smallest normal (2^-126)
+ONE_BITS, TINY_BITS = 0x3F800000, 0x00800000
+F32_MAX = (2.0 - 2.0**-23) * 2.0**127
 
 
 @fx.struct
@@ -272,6 +285,19 @@ def _occupancy_attrs(waves_per_simd: int) -> dict:
         "rocdl.waves_per_eu": waves_per_simd,
         "rocdl.flat_work_group_size": f"{WAVE},{WAVE}",
     }
+
+
+def _score_scale(sm_scale: fx.Float32) -> tuple:
+    """(sign, mag, c) f32 of the launch's sm_scale (step 2): the scores are raw * sign (+-1
+    with sm_scale's sign bit), mag = max(|sm_scale|, 2^-126) scales the partial's max logit,
+    c = mag * log2e (at most float32's max) multiplies a score less the running max inside
+    exp2. sign and mag are bit operations on the scalar argument (SALU, no VGPR; the integer
+    max keeps a NaN's bits, which sort above every finite value's), c one VALU product."""
+    bits = sm_scale.bitcast(fx.Int32)
+    sign = ((bits & SIGN_BIT) | ONE_BITS).bitcast(fx.Float32)
+    mag = fx.max(bits & ~SIGN_BIT, TINY_BITS).bitcast(fx.Float32)
+    c = mag * LOG2E
+    return sign, mag, (c > F32_MAX).select(fx.Float32(F32_MAX), c)
 
 
 def _pin_all(values):
@@ -608,6 +634,8 @@ def _build_decode(group_size: int, block_size: int):
             "vs_off": _v_scale_lane_offset(lane, stride_pos),
         }
 
+        sign, mag, c = _score_scale(sm_scale)
+
         # ---- partition p: tile-groups p, p + P, ... ----
         n_groups = (seq_len + (TILE_GROUP - 1)) >> 7
         avail = n_groups - part
@@ -630,7 +658,7 @@ def _build_decode(group_size: int, block_size: int):
                 raw = _qk_scores(k_ops, k_scales, _q_operands(lds, lane), k_group)
                 first_tok = _score_first_token(group_start + n * TILE, k_group)
                 scores = [
-                    (first_tok + e < limit).select(fx.Float32(raw[e]) * sm_scale, NEG_INF)
+                    (first_tok + e < limit).select(fx.Float32(raw[e]) * sign, NEG_INF)
                     for e in range(4)
                 ]
                 tile_max = _row_reduce(
@@ -638,9 +666,9 @@ def _build_decode(group_size: int, block_size: int):
                 )
                 new_max = _fmax(run_max, tile_max)
                 seen = run_max > NEG_INF
-                alpha = exp2(seen.select(run_max - new_max, 0.0) * LOG2E)
+                alpha = exp2(seen.select(run_max - new_max, 0.0) * c)
                 live = new_max > NEG_INF
-                probs = [exp2(live.select(s - new_max, NEG_INF) * LOG2E) for s in scores]
+                probs = [exp2(live.select(s - new_max, NEG_INF) * c) for s in scores]
                 tile_sum = _row_reduce(
                     ((probs[0] + probs[1]) + probs[2]) + probs[3], lambda a, b: a + b
                 )
@@ -673,7 +701,7 @@ def _build_decode(group_size: int, block_size: int):
         for h in range_constexpr(HEAD_DIM // 16):
             o = (acc_pv[h] * inv4).to(fx.BFloat16)
             _store(o_rsrc, _out_offset(row_off, h), o.bitcast(fx.Int32))
-        for tensor, value in ((max_logits, run_max), (exp_sums, run_sum)):
+        for tensor, value in ((max_logits, run_max * mag), (exp_sums, run_sum)):
             rsrc = buffer_rsrc(
                 _byte_offset(_tensor_ptr(tensor), fx.Int64(first_row) * 4), group_size * 4
             )
@@ -760,14 +788,13 @@ def _build_reduce():
             ml = _scalar_load(ml_rsrc, fx.Int32(p) * row_stride).bitcast(fx.Float32)
             top_res = yield [_fmax(fx.Float32(state[0]), ml)]
         top = fx.Float32(top_res)  # a single loop-carried value comes back unwrapped
-        ref = (top == NEG_INF).select(fx.Float32(0.0), top)
 
         init = [fx.Float32(0.0)] + [fx.Float32(0.0)] * 4
         for p, state in range(0, num_partitions, 1, init=init):
             p = fx.Int32(p)
             ml = _scalar_load(ml_rsrc, p * row_stride).bitcast(fx.Float32)
             es = _scalar_load(es_rsrc, p * row_stride).bitcast(fx.Float32)
-            w = exp2((ml - ref) * LOG2E) * es
+            w = exp2((ml == top).select(fx.Float32(0.0), ml - top) * LOG2E) * es
             o = _words(_load(o_rsrc, p * (row_stride * HEAD_DIM // 2) + lane * 8, 2), 2)
             vals = [x for word in o for x in bf16_pair(word)]
             acc = [fx.Float32(state[1 + i]) + w * vals[i] for i in range(4)]

@@ -41,6 +41,11 @@ Numerics: scales multiply partial scores and P (rounded to bf16 after that produ
 V, so every product is exact and accumulation is f32. The decode formats, with one scale per
 call, run float16 operands instead (``RowFormat.operand_dtype``): K's codes are exact in float16,
 q is staged times a power of two that fits its range (``q_rows_ptx``), P rounds to float16.
+The score scale (sm_scale, times k_scale for the decode; log2 e added) is applied after the
+running max: the max is of the scores times its sign (and the powers of two of q's staging or
+UltraQuant's codes: exact), and its magnitude multiplies each score less the max before exp2
+(``score_factors``, ``softmax_step``: one multiply per score), so any finite scale gives finite
+weights.
 
 Layout: a row's latent codes are read as uint16 words; word w holds latent dims 2w (low byte)
 and 2w + 1 (high byte), so a 64-word column block of chunk c gives the 64 even and the 64 odd
@@ -67,6 +72,7 @@ from jax.experimental import pallas as pl
 from jax_sparse_mla._platform import split_static
 from jax_sparse_mla._unavailable import unavailable
 from jax_sparse_mla.formats import LATENT_DIM, ROPE_DIM, UQ_HEAD_DIM, UQ_V_CODES
+from jax_sparse_mla.kernels.fp4_operands import FP4_BIAS
 from jax_sparse_mla.reference.attention import merge_partials
 
 T = 64  # keys per tile (one SMEM stage; wgmma's M for the transposed scores)
@@ -88,7 +94,8 @@ PRODUCER_BARRIER = 15  # a named barrier id that Mosaic GPU's own (1 + warpgroup
 CONSUMER_BARRIER = 14  # the consumers' named barrier (128 * CONSUMERS threads), likewise free
 ALL_CONSUMERS_BARRIER = 13  # ``kv_split``: the K and the V consumers together, likewise free
 VOTE_BARRIER = 11  # ``kv_split``: K warpgroup c's vote (``_any_above``) takes 11 + c, likewise
-# ``kv_split``: the running max stays until a score passes it by this (log2 units; P <= 2^8)
+# ``kv_split``: the running max stays until a scaled score passes it by this (log2 units; P <=
+# 2^8, up to the rounding of the limit in the unscaled scores' units: below 2^16)
 RESCALE_SLACK = 8.0
 PRODUCER_REGISTERS = 40
 MAX_ROWS = 2**31  # the gather's record indices are int32
@@ -1199,17 +1206,30 @@ def _finite_max(m):
     return jnp.where(m == -jnp.inf, 0.0, m)
 
 
-def rebase(m_old, m_new):
+def score_factors(scale, bias=1.0):
+    """(sign, mag) f32 of the call's score scale ``scale`` (log2 units, signed; a scalar, the
+    same for every row: one register, not one per row): the kernels take the running max of
+    the scores times ``sign`` (sign(scale) * ``bias``, a power of two or 0: exact) and
+    multiply by ``mag`` (|scale| clamped to float32's normal range, so that a masked -inf
+    score gives 0, never 0 x -inf) only after subtracting it (``softmax_step``): any finite
+    scale gives finite weights."""
+    f32 = np.finfo(np.float32)
+    return jnp.sign(scale) * bias, jnp.clip(jnp.abs(scale), f32.tiny, f32.max)
+
+
+def rebase(m_old, m_new, mag):
     """[m] factors moving sums (or accumulators) on the running max ``m_old`` to ``m_new``
-    (log2 units): 0 from -inf."""
-    return jnp.exp2(m_old - _finite_max(m_new))
+    (signed unscaled scores, ``score_factors``; ``mag`` their scale): 0 from -inf."""
+    return jnp.exp2((m_old - _finite_max(m_new)) * mag)
 
 
-def softmax_step(sc, m_run, m_new, by_row):
-    """alpha [m] (the old accumulators' factor) and P f32 for the masked scores ``sc`` (log2
-    units; S^T [T, m] or S [m, T]) moving the running max from ``m_run`` to ``m_new``;
-    ``by_row`` broadcasts [m] values over ``sc``'s shape."""
-    return rebase(m_run, m_new), jnp.exp2(sc - by_row(_finite_max(m_new)))
+def softmax_step(sc, m_run, m_new, by_row, mag):
+    """alpha [m] (the old accumulators' factor) and P f32 for the masked signed scores ``sc``
+    (unscaled, ``score_factors``; S^T [T, m] or S [m, T]) moving the running max from
+    ``m_run`` to ``m_new``: P = 2^(``mag`` (sc - max)), the scale applied after the max is
+    subtracted (one multiply per score); ``by_row`` broadcasts [m] values over ``sc``'s
+    shape."""
+    return rebase(m_run, m_new, mag), jnp.exp2((sc - by_row(_finite_max(m_new))) * mag)
 
 
 def out_factor(out_scale, l_run):
@@ -1218,13 +1238,19 @@ def out_factor(out_scale, l_run):
     return has, jnp.where(has, out_scale / jnp.where(has, l_run, 1.0), 0.0)
 
 
-def write_lse(lse_smem, lse_dst, m_run, l_run, has):
-    """Rows' lse (natural log of the sum from the running max ``m_run`` in log2 units; -inf
-    without keys) through ``lse_smem`` [m] f32 to ``lse_dst`` (GMEM)."""
+def lse_of(m_run, l_run, has, mag):
+    """Rows' lse [m] f32: natural log of the sum ``l_run`` on the running max ``m_run`` of the
+    signed unscaled scores, ``mag`` their scale in log2 units (``score_factors``); -inf
+    without keys (not ``has``), +-inf where |sm_scale| ``m_run`` overflows float32, as the
+    exact path's (``mag`` leaves log2 units before it meets ``m_run``)."""
+    log_sum = jnp.log2(jnp.where(has, l_run, 1.0)) * (1 / LOG2E)
+    return jnp.where(has, m_run * (mag * (1 / LOG2E)) + log_sum, -jnp.inf)
+
+
+def write_lse(lse_smem, lse_dst, m_run, l_run, has, mag):
+    """Rows' lse (``lse_of``) through ``lse_smem`` [m] f32 to ``lse_dst`` (GMEM)."""
     plgpu = _mgpu()[0]
-    lse_smem[...] = jnp.where(
-        has, (m_run + jnp.log2(jnp.where(has, l_run, 1.0))) * (1 / LOG2E), -jnp.inf
-    )
+    lse_smem[...] = lse_of(m_run, l_run, has, mag)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
 
@@ -1437,18 +1463,22 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             plgpu.commit_smem()  # (a warpgroup barrier) s[c] is free again for every thread
 
-    def store_lse(m_run, l_run, has):
+    def store_lse(m_run, l_run, has, mag):
         """Rows' lse to ``lse`` (``write_lse``)."""
-        write_lse(s["lse"].at[pl.ds(0, m)], lse_ref.at[g, split, hb], m_run, l_run, has)
+        write_lse(s["lse"].at[pl.ds(0, m)], lse_ref.at[g, split, hb], m_run, l_run, has, mag)
 
     def consume(c: int):
         plgpu.set_max_registers(consumer_registers(), action="increase")
         q_args = (q_ref.at[g], s["q_lat"], s["q_rope"], hb * m, s.get("q_max"))
         _stage_q_rows(fmt, c, *q_args)
         plgpu.commit_smem()  # q visible to this warpgroup's wgmmas
-        score_scale = load(s["scale"].at[pl.ds(0, m)], per_row)
-        if "q_max" in s:  # each row of q was staged times its 2^e
-            score_scale = score_scale * q_unscale(load(s["q_max"].at[pl.ds(0, m)], per_row))
+        sign, mag = score_factors(s["scale"][0])
+        if "q_max" in s:  # each row of q was staged times its 2^e: a sign per row
+            sign = sign * q_unscale(load(s["q_max"].at[pl.ds(0, m)], per_row))
+
+        def signed(x):  # the scores x [T, m] times their rows' signs
+            return x * (by_row(sign) if "q_max" in s else sign)
+
         out_scale = load(s["scale"].at[pl.ds(DB, m)], per_row)
         if fmt.causal:
             bound = total - fmt.qlen + load(s["rowpos"].at[pl.ds(0, m)], per_row)
@@ -1518,14 +1548,14 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             visible = by_key(ids) >= 0
             if fmt.causal:
                 visible = visible & (by_key(iota + (lo + t * T)) <= by_row(bound))
-            sc_t = jnp.where(visible, sc_t * by_row(score_scale), -jnp.inf)  # log2 units
+            sc_t = jnp.where(visible, signed(sc_t), -jnp.inf)  # unscaled
             if c == 0:
                 m_new = jnp.maximum(m_run, sc_t.max(axis=0))
                 s["ml"][pl.ds(0, m)] = m_new
             _consumers_barrier()  # the running max is in SMEM; every partial has been read
             if c != 0:
                 m_new = load(s["ml"].at[pl.ds(0, m)], per_row)
-            alpha, p = softmax_step(sc_t, m_run, m_new, by_row)
+            alpha, p = softmax_step(sc_t, m_run, m_new, by_row, mag)
             if c == 0:
                 l_run = l_run * alpha + p.sum(axis=0)
             if chunk_scales:
@@ -1560,7 +1590,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
         else:
             store_o_t(c, blocks, accs, inv_l)
         if c == 0:
-            store_lse(m_run, l_run, has)
+            store_lse(m_run, l_run, has, mag)
         plgpu.wait_smem_to_gmem(0)
 
     def consume_k(c: int):
@@ -1568,14 +1598,17 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
         dims and runs the online softmax on it, so that the two K warpgroups exchange no
         partial scores. The running max passes from tile t - 1 to tile t through ``ml`` with
         the turn (``turn``) and moves only when a score of the tile passes it by
-        ``RESCALE_SLACK`` (``_any_above``: one barrier; P then stays <= 2^8, and the output,
+        ``RESCALE_SLACK`` (``_any_above``: one barrier; P then stays <= 2^8 (below 2^16 with
+        the limit's rounding in the unscaled scores' units, ``score_factors``), and the output,
         normalized by the sum, does not depend on the max used); Mosaic GPU's cross-warp
         reductions, whose SMEM scratch is one per CTA, run only while a warpgroup holds it.
         Each keeps its sums per thread ([T, m], on the max of its latest tile) and reduces
         them once after the walk; the warpgroup whose turn comes last adds both. P^T and alpha
         go to the V warpgroups in slot c (``p_full``) once they freed it (``p_free``)."""
         plgpu.set_max_registers(consumer_registers(fmt.consumers), action="increase")
-        score_scale = load(s["scale"].at[pl.ds(0, m)], per_row)
+        sign, mag = score_factors(s["scale"][0], FP4_BIAS)
+        # RESCALE_SLACK in the unscaled scores' units (float32's max at most: -inf + it is -inf)
+        slack = jnp.minimum(RESCALE_SLACK / mag, np.finfo(np.float32).max)
         shift = fp4_shift()
 
         def take_turn(t):  # tile (or final sum) t waits for t - 1 to pass the turn
@@ -1602,11 +1635,11 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             sc_t = pl.run_scoped(run, plgpu.ACC((T, fmt.q_pieces * m), jnp.float32))
             plgpu.barrier_arrive(s["consumed"].at[stage])
             visible = by_key(ids) >= 0
-            sc_t = jnp.where(visible, sc_t * by_row(score_scale), -jnp.inf)  # log2 units
+            sc_t = jnp.where(visible, sc_t * sign, -jnp.inf)  # the codes' 2^-6 undone
             take_turn(t)
             m_run = load(s["ml"].at[pl.ds(0, m)], per_row)  # after tile t - 1 (-inf at init)
             # the vote's barrier orders every thread's load before the store
-            limit = by_row(m_run + RESCALE_SLACK)
+            limit = by_row(m_run + slack)
             grows = _any_above(sc_t, limit, VOTE_BARRIER + c)
 
             @pl.when(grows != 0)
@@ -1616,8 +1649,8 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
 
             m_new = load(s["ml"].at[pl.ds(0, m)], per_row)
             plgpu.barrier_arrive(s["turn"].at[1 - c])
-            alpha, p = softmax_step(sc_t, m_run, m_new, by_row)
-            l_acc = l_acc * by_row(rebase(m_own, m_new)) + p
+            alpha, p = softmax_step(sc_t, m_run, m_new, by_row, mag)
+            l_acc = l_acc * by_row(rebase(m_own, m_new, mag)) + p
 
             @pl.when(i >= 1)
             def _():
@@ -1648,9 +1681,9 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             m_other = load(s["sums"].at[pl.ds(0, m)], per_row)
             l_other = load(s["sums"].at[pl.ds(DB // 2, m)], per_row)
             m_run = jnp.maximum(m_own, m_other)
-            l_run = l_own * rebase(m_own, m_run) + l_other * rebase(m_other, m_run)
+            l_run = l_own * rebase(m_own, m_run, mag) + l_other * rebase(m_other, m_run, mag)
             s["ml"][pl.ds(DB, m)] = l_run
-            store_lse(m_run, l_run, l_run != 0)
+            store_lse(m_run, l_run, l_run != 0, mag)
 
         _consumers_barrier(ALL_CONSUMERS_BARRIER, fmt.consumers)  # the sum is in SMEM
         plgpu.wait_smem_to_gmem(0)

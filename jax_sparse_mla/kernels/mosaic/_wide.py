@@ -67,6 +67,7 @@ from jax_sparse_mla.kernels.mosaic._pipeline import (
     load,
     out_factor,
     produce,
+    score_factors,
     softmax_start,
     softmax_step,
     stages_for,
@@ -160,7 +161,7 @@ def kernel(*refs, fmt: RowFormat, rule: SplitRule, **smem):
         plgpu.set_max_registers(consumer_registers(), action="increase")
         _stage_q_rows(fmt, c, q_ref.at[g], s["q_lat"], s["q_rope"], hb * m, None)
         plgpu.commit_smem()  # q visible to this warpgroup's wgmmas
-        score_scale = load(s["scale"].at[pl.ds(0, m)], per_row)
+        sign, mag = score_factors(s["scale"][0])
         out_scale = load(s["scale"].at[pl.ds(DB, m)], per_row)
         own = fmt.own_blocks  # (chunk, parity) blocks: those of chunks 2c and 2c + 1
         blocks = range(own * c, own * (c + 1))
@@ -210,9 +211,9 @@ def kernel(*refs, fmt: RowFormat, rule: SplitRule, **smem):
             parts = [mine if i == c else load(s["s"].at[i], wgmma) for i in range(CONSUMERS)]
             _consumers_barrier()  # both have been read: the next tile may overwrite them
             visible = jax.lax.broadcast_in_dim(ids, (m, T), [1]) >= 0
-            sc = jnp.where(visible, (parts[0] + parts[1]) * by_head(score_scale), -jnp.inf)
+            sc = jnp.where(visible, (parts[0] + parts[1]) * sign, -jnp.inf)
             m_new = jnp.maximum(m_run, sc.max(axis=1))
-            alpha, p = softmax_step(sc, m_run, m_new, by_head)
+            alpha, p = softmax_step(sc, m_run, m_new, by_head, mag)
             l_run = l_run * alpha + p.sum(axis=1)
             p16 = p.astype(jnp.bfloat16)
             for i, b in enumerate(blocks):  # P @ V runs on into the next tile (``scores``)
@@ -235,7 +236,7 @@ def kernel(*refs, fmt: RowFormat, rule: SplitRule, **smem):
             ptx = out_rows_ptx(fmt, chunk, partial)
             _store_out_rows(fmt, chunk, even, odd, o_rows, hb * m, ptx)
         if c == 0:
-            write_lse(s["lse"], lse_ref.at[g, split, hb], m_run, l_run, has)
+            write_lse(s["lse"], lse_ref.at[g, split, hb], m_run, l_run, has, mag)
             plgpu.wait_smem_to_gmem(0)
 
     for c in range(CONSUMERS):

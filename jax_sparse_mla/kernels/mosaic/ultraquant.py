@@ -23,9 +23,10 @@ groups): nibble n of word w is dim 8w + n. Each nibble slice [64 keys, 16] becom
 operand straight from registers (K = 16) against the rotated q (``ultraquant_query``): its e4m3
 values are exact in bf16, one wgmma column per query row; ``exact_q``'s float32 q enters as three
 bf16 pieces (their sum is q exactly), three columns per row. Either way q.K is float32-accurate.
-V slices go to SMEM for P @ V. The 2^-6 of
-K and V is folded into the score and output scales. A group's UE8M0 byte becomes its bf16 scale
-in PTX too (``_fp4_scales``: the byte's bits shifted into the exponent).
+V slices go to SMEM for P @ V. The 2^-6 of K is undone on the scores before their running max
+(sm_scale multiplies them only after it: ``_pipeline.score_factors``), V's is folded into the
+output scale. A group's UE8M0 byte becomes its bf16 scale in PTX too (``_fp4_scales``: the
+byte's bits shifted into the exponent).
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def _decode(q, cache, block_tables, seq_lens, sm_scale, *, splits, exact_q):
         block_tables.reshape(-1),
         entries,
         fp4_q(pieces, hk, m),
-        sm_scale * FP4_BIAS,
+        sm_scale,  # the kernel undoes the codes' 2^-6 on the scores (``score_factors``)
         FP4_BIAS,
     )
     o = o.reshape(b, splits, hk, m, UQ_HEAD_DIM)[:, :, :, :group]
