@@ -271,7 +271,8 @@ def test_the_softmax_scales_after_the_max_at_any_finite_scale(scale):
         sc = jnp.where(visible[t], raw[t] * sign, -jnp.inf)
         m_new = jnp.maximum(m_run, sc.max(axis=0))
         alpha, p = P.softmax_step(sc, m_run, m_new, by_row, mag)
-        l_run, acc, m_run = l_run * alpha + p.sum(axis=0), acc * alpha + v[t].T @ p, m_new
+        pv = jnp.matmul(v[t].T, p, precision="highest")  # not TF32 on a GPU
+        l_run, acc, m_run = l_run * alpha + p.sum(axis=0), acc * alpha + pv, m_new
     lse = P.lse_of(m_run, l_run, l_run != 0, mag)
     logits = np.where(visible, np.float64(np.float32(scale)) * raw, -np.inf).reshape(-1, m)
     want_lse = np.logaddexp.reduce(logits, axis=0)
