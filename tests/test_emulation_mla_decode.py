@@ -391,6 +391,20 @@ def test_merge_random_partials():
     np.testing.assert_array_equal(out_lse[1], lse[1, 0])
 
 
+def test_merge_overflowed_partials():
+    """Partials whose lse overflowed float32 (+inf: a huge sm_scale) weigh alike and the others
+    0, as the exact merge (``reference.attention.merge_weights``) weighs them: the output is the
+    mean of their o (exact here: two bf16 values, power-of-two count), its lse +inf."""
+    r = C.rng(10)
+    o = np.asarray(O.round_bf16(r.standard_normal((2, 4, 3, 512))), np.float32)
+    lse = np.array([[np.inf, 5.0, np.inf, -np.inf], [1.0, np.inf, -np.inf, 2.0]], np.float32)
+    lse = np.repeat(lse[..., None], 3, axis=-1)
+    out, out_lse = run_merge(jnp.asarray(o, jnp.bfloat16), jnp.asarray(lse))
+    want = np.stack([(o[0, 0] + o[0, 2]) / 2, o[1, 1]])
+    np.testing.assert_array_equal(out, O.to_f64(O.round_bf16(want)))
+    np.testing.assert_array_equal(out_lse, np.inf)
+
+
 def merged_bound(case, num_splits, o_p, lse_p):
     """The full decode's float64 reference and bound when it merges the partials ``o_p, lse_p``
     (float64 views) of ``num_splits`` splits: each partial's bound, its lse bound as a weight

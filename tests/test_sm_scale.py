@@ -2,7 +2,8 @@
 exact path and the Pallas kernels multiply the scores by the scale only after their running
 maximum is subtracted (and merges of partials whose lse overflows float32 keep the overflowed
 ones). A scale of 1e37 makes every scaled score overflow float32 (|q·k| is ~10 here); the
-float64 oracle does not. (The gfx950 kernels and their emulation, and the Mosaic GPU kernels,
+float64 oracle does not. The gfx950 mla_decode kernels scale after the max too: their emulation
+is tested here. (The other gfx950 kernels and their emulation, and the Mosaic GPU kernels,
 scale before the max: README, "Use".)"""
 
 import jax
@@ -38,7 +39,7 @@ def test_sparse_mla(sm_scale, impl):
     assert np.all(np.isfinite(np.asarray(grad, np.float32)))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", [*IMPLS, "gfx950_emulation"])
 @pytest.mark.parametrize("sm_scale", SCALES)
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_mla_decode(sm_scale, num_splits, impl):
