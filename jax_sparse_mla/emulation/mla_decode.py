@@ -27,8 +27,9 @@ Partials (per request, split, query row; ``c = (sm_scale * k_scale) * f32(log2 e
   ``Pq = hi + lo / 32``, ``hi = e4m3(P)``, ``lo = e4m3((P - hi) 32)`` (``p_split``) and the raw
   fp8 V codes (masked keys contribute 0).
 * ``o = bf16(O (v_scale / l))``, ``lse = (m a + (log2 l - 8)) ln 2``; ``o = 0``,
-  ``lse = -inf`` when ``l == 0`` (no visible key). Any finite sm_scale gives finite weights;
-  an lse past float32's range is +-inf.
+  ``lse = -inf`` when ``l == 0`` (no visible key). Any finite sm_scale gives finite weights
+  (while ``c`` is finite: ``|sm_scale k_scale| log2 e < 2^128``); an lse past float32's range
+  is +-inf.
 * Causal rule (the kernel's way): the NaN V codes of the boundary keys ``j > seq_len - qlen``
   (hidden from some position, seen by another) are zeroed before ``P V`` (after the scores), so
   a hidden key contributes exactly nothing, even a NaN. A row that sees a NaN code has a NaN

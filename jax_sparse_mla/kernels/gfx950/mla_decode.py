@@ -108,7 +108,8 @@ Scalars: ``num_requests`` B, ``num_heads`` H, ``num_splits`` S, ``n_indices``, `
 (int32, all >= 0, B, H, S >= 1), ``k_scale``, ``v_scale``, ``sm_scale`` (f32). Grid
 ``(8 G ceil(B S / 8), 1, 1)`` with ``G = ceil(H qlen / 16)`` head groups, block ``(512, 1, 1)``.
 Preconditions: ``n_indices < 2^29``, ``kv_indptr`` entries in ``[0, 2^30)``, the unscaled
-scores ``|S| < 2^126`` (so ``t - m'`` is finite; ``sm_scale`` is free).
+scores ``|S| < 2^126`` (so ``t - m'`` is finite) and ``c2`` finite (any finite ``sm_scale``
+whose product with ``k_scale log2 e`` stays below 2^128).
 
 Combine launch ABI: tensors ``o_parts`` bf16 ``[n, S, H, 512]``, ``lse_parts`` f32 ``[n, S, H]``,
 ``out`` bf16 ``[n, H, 512]``, ``lse`` f32 ``[n, H]``; scalars ``num_rows`` (= n H),
