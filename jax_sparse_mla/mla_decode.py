@@ -95,12 +95,21 @@ _XLA = DecodeImplementation(
     _merge_xla,
     _partials_then_combine(mla_decode_partials_f32, merge_partials_bf16),
 )
+
+
+def _gfx950_emulation_decode(*args, num_splits, **kw):
+    """The gfx950 structure (``ffi.calls.mla_decode_flydsl``): the partials (num_splits None:
+    1), then the combine, which one split skips (its partial is the output)."""
+    o_parts, lse_parts = mla_decode_partials_gfx950_emulation(
+        *args, num_splits=num_splits or 1, **kw
+    )
+    if o_parts.shape[1] == 1:
+        return o_parts[:, 0], lse_parts[:, 0]
+    return merge_attn_states_gfx950_emulation(o_parts, lse_parts)
+
+
 _GFX950_EMULATION = DecodeImplementation(
-    mla_decode_partials_gfx950_emulation,
-    _merge_emulation,
-    _partials_then_combine(
-        mla_decode_partials_gfx950_emulation, merge_attn_states_gfx950_emulation
-    ),
+    mla_decode_partials_gfx950_emulation, _merge_emulation, _gfx950_emulation_decode
 )
 _PALLAS = DecodeImplementation(
     mla_decode_partials_pallas, merge_attn_states_pallas, mla_decode_pallas

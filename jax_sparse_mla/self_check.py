@@ -13,9 +13,9 @@ the configuration runs:
 * mla_decode partials (qlen 1, 2, 4; 20 heads, so the last 16-row group is partial): an empty
   request, one whose scores rise along its keys and one whose scores fall (1000 and 900 keys,
   2 splits: 4 blocks of 128 keys per split, so the second LDS slot, its prefetch and the
-  rescale by an earlier maximum run), a short one; causal rows for qlen > 1; masked indices.
-  The combine: partials with -inf lse over NaN / inf garbage, a row with no live partial, and
-  a single split.
+  rescale by an earlier maximum run), a short one; causal rows for qlen > 1; masked indices; a
+  negative sm_scale at qlen 2. The combine: partials with -inf lse over NaN / inf garbage, a
+  row with no live partial, a single split, and partials whose lse overflowed (+inf).
 * UltraQuant (each G and block size): 3 partitions over requests of 0, 507 and 391
   tokens, a block-table entry -1 and one past the last block. The reduce: random partials,
   some with no keys.
@@ -26,7 +26,7 @@ per line (``start`` / ``done`` per case, ``finished`` per configuration).
 ``JAX_SPARSE_MLA_SELFCHECK_FAULT=KIND:SYMBOL`` (tests only) makes the child fail on that
 configuration's first case: ``abort`` (SIGABRT), ``hang`` or ``oom`` (an out-of-memory error).
 
-Cost (52 configurations, 53 cases): every case is a few MB of inputs and at most 2100 keys, so
+Cost (52 configurations, 54 cases): every case is a few MB of inputs and at most 2100 keys, so
 an MI355 spends its time compiling the two programs per case, estimated at one or two seconds
 a case (not measured on an MI355); a call verifies only the one to three configurations it
 launches. ``jax_sparse_mla.selfcheck()`` verifies them all and prints each case as it ends.
@@ -165,9 +165,9 @@ def decode_inputs(seed: int, qlen: int):
     return jnp.asarray(q, jnp.bfloat16), kv, jnp.asarray(idx, jnp.int32), indptr
 
 
-def _partials(seed: int, qlen: int):
+def _partials(seed: int, qlen: int, sm_scale: float):
     q, kv, idx, indptr = decode_inputs(seed, qlen)
-    static = dict(qlen=qlen, k_scale=0.5, v_scale=2.0, sm_scale=KV_DIM**-0.5)
+    static = dict(qlen=qlen, k_scale=0.5, v_scale=2.0, sm_scale=sm_scale)
 
     def run(implementation):
         fn = _jit(
@@ -187,8 +187,9 @@ def _partials(seed: int, qlen: int):
     return run, compare
 
 
-def _combine(seed: int, n: int, splits: int, heads: int):
-    """Random bf16 partials; 30% of them -inf with NaN / inf garbage in o; row 0 all -inf."""
+def _combine(seed: int, n: int, splits: int, heads: int, overflow: bool = False):
+    """Random bf16 partials; 30% of them -inf with NaN / inf garbage in o; row 0 all -inf;
+    ``overflow``: 30% of the others +inf (an lse past float32's range), row 1 all +inf."""
     r = np.random.default_rng(seed)
     o = np.asarray(_bf16(r, (n, splits, heads, 512), 3.0), np.float32)
     lse = (r.standard_normal((n, splits, heads)) * 20).astype(np.float32)
@@ -197,6 +198,10 @@ def _combine(seed: int, n: int, splits: int, heads: int):
     lse[empty] = -np.inf
     o[empty] = np.nan
     o[..., 0][empty] = np.inf
+    if overflow:
+        over = (r.random(lse.shape) < 0.3) & ~empty
+        over[1] = True
+        lse[over] = np.inf
     o, lse = jnp.asarray(o, jnp.bfloat16), jnp.asarray(lse)
 
     def run(implementation):
@@ -316,13 +321,20 @@ def _plan() -> dict[str, tuple[Case, ...]]:
             (symbol,) = configs.sparse_mla_launches(h, lse)
             add(symbol, f"H{h}, rows of 0/1/300/2100 keys, masked", P(_sparse, 100 + h, h, lse))
     for qlen in configs.MLA_DECODE_QLENS:
+        sign = -1 if qlen == 2 else 1  # the scale's sign enters the kernel at run time
         add(
             configs.mla_decode_partials_launch(qlen),
-            f"qlen {qlen}, H20, 2 splits of 4 blocks, rising and falling scores, an empty request",
-            P(_partials, 200 + qlen, qlen),
+            f"qlen {qlen}, H20, 2 splits of 4 blocks, rising and falling scores, an empty "
+            f"request, sm_scale {sign:+d}/24",
+            P(_partials, 200 + qlen, qlen, sign * KV_DIM**-0.5),
         )
     add(configs.MLA_DECODE_COMBINE, "4 partials, -inf ones over NaN", P(_combine, 5, 5, 4, 8))
     add(configs.MLA_DECODE_COMBINE, "1 split", P(_combine, 6, 3, 1, 16))
+    add(
+        configs.MLA_DECODE_COMBINE,
+        "4 partials, +inf (overflowed) and -inf ones",
+        P(_combine, 8, 5, 4, 8, overflow=True),
+    )
     for g in configs.ULTRAQUANT_GROUP_SIZES:
         for bs in configs.ULTRAQUANT_BLOCK_SIZES:
             symbol, _ = configs.ultraquant_launches(g, bs)

@@ -11,10 +11,12 @@ visible keys, values ``V_k``, output ``out`` and the shifted sum ``l = 2^8 sum_k
   of 2^-9, over 32) in units of ``2^(s - 127)``; the row max scales into [128, 256), so that is
   ``<= 2^-22 max|q|``. Score error of key k: ``dq_k = sm_scale sum_d |dq_d| |K_kd|``.
 * f32 scores in log2 units: the 576-term sum as in ``oracle.attn_atol`` (4 2^-24 score_abs),
-  ``c = (sm_scale k_scale) log2 e`` (4 roundings with sm_scale's) and ``s = S c``:
-  ``dS_k = dq_k + (4 score_abs + 5 |S_k|) 2^-24``.
+  ``c = (sm_scale k_scale) log2 e`` (4 roundings with sm_scale's), and scaled after the max,
+  ``(t_k - m) |c|``: the difference and the product round within ``2^-24 (|S_k| + score_abs)``
+  each: ``dS_k = dq_k + (6 score_abs + 6 |S_k|) 2^-24``.
 * exp2 (exact integer part, XLA's exp2 of the fraction: <= 1.4 ulp measured) of
-  ``x_k = s_k - m8`` rounded to f32 (``2^-24 |x_k|`` in log2 units): ``e_k = (4 + |x_k|) 2^-24``.
+  ``x_k = (t_k - m) |c| + 8`` rounded to f32 (``2^-24 |x_k|`` in log2 units):
+  ``e_k = (4 + |x_k|) 2^-24``.
   A relative perturbation ``dS_k + e_k`` of each weight moves the output (l included) by at most
   ``sum_k p_k (dS_k + e_k) |V_kd - out_d|`` to first order (1% added for the second).
 * P split (``p_split``, the dominant term): ``|hi + lo / 32 - P| <= 2^-8 P`` for ``P >= 2^-6``
@@ -29,10 +31,10 @@ visible keys, values ``V_k``, output ``out`` and the shifted sum ``l = 2^8 sum_k
 * bf16 partial: ``2^-8 |out|`` (half an ulp of 8 significant bits) on top of ``(1 + 2^-8)``
   times the above.
 
-LSE ``= (m8 + log2 l) ln 2`` (d lse / d s_k = p_k): ``1.01 sum_k p_k (dS_k + e_k)``, l's sums
-``2^-24 (4 sqrt(n) + 2 blocks + 4)``, then in log2 units ``m8 = m - 8``, XLA's log2 (2 ulp) and
-the sum, ``ln 2 2^-24 (|m8| + 2 |log2 l| + 2 + |m8 + log2 l|)``, and ``ln 2``'s f32 value and
-the product, ``2 2^-24 |lse|``.
+LSE ``= (m |c| + (log2 l - 8)) ln 2`` (d lse / d s_k = p_k): ``1.01 sum_k p_k (dS_k + e_k)``,
+l's sums ``2^-24 (4 sqrt(n) + 2 blocks + 4)``, then in log2 units the product ``m |c|``, XLA's
+log2 (2 ulp), the difference and the sum, ``ln 2 2^-24 (|m c| + 2 |log2 l| + 2 + |log2 l - 8|
++ |m c + log2 l - 8|)``, and ``ln 2``'s f32 value and the product, ``2 2^-24 |lse|``.
 
 Combine, per output element over the S partials with exact weights ``w_s = exp(lse_s - lse)``:
 ``w_s`` in f32 (``(lse_s - m) log2 e`` then exp2) is off by ``r_s = (6 + 2 |lse_s - m|) 2^-24``
@@ -143,19 +145,22 @@ def expected_partials(case, num_splits):
         ref[row, s], ref_lse[row, s] = out, lse
         l_shift = 2.0**8 * w.sum(axis=-1, keepdims=True)
         vmax = np.abs(v).max()
-        score_abs = sm * (np.abs(q[row]) @ np.abs(k).T).max(axis=-1, keepdims=True)  # [H, 1]
-        d_s = sm * (dq[row] @ np.abs(k).T) + EPS * (4 * score_abs + 5 * np.abs(sc))
+        score_abs = abs(sm) * (np.abs(q[row]) @ np.abs(k).T).max(axis=-1, keepdims=True)  # [H, 1]
+        d_s = abs(sm) * (dq[row] @ np.abs(k).T) + EPS * (6 * score_abs + 6 * np.abs(sc))
         e_k = (4 + np.abs((sc - smax) * LOG2E + 8)) * EPS
         pw = p * (d_s + e_k)
         score_term = 1.01 * (pw @ np.abs(v) + pw.sum(axis=-1, keepdims=True) * np.abs(out))
         p_term = (2.0**-8 * p + np.minimum(p, 2.0**-14 / l_shift)) @ np.abs(v)
         f32 = EPS * vmax * (8 * np.sqrt(n) + 16 + 8 * (blocks + 2)) + 2.0**-22 * np.abs(out)
         tol[row, s] = 2.0**-8 * np.abs(out) + (1 + 2.0**-8) * (score_term + p_term + f32)
-        m8 = smax[:, 0] * LOG2E - 8  # log2 units
+        ma = smax[:, 0] * LOG2E  # m |c|, log2 units
         log2_l = np.log2(l_shift[:, 0])
+        # roundings of (m |c| + (log2 l - 8)) ln 2: the product, log2, the difference, the sum
         lse_tol[row, s] = (
             1.01 * pw.sum(axis=-1)
-            + np.log(2) * EPS * (np.abs(m8) + 2 * np.abs(log2_l) + 2 + np.abs(m8 + log2_l))
+            + np.log(2)
+            * EPS
+            * (np.abs(ma) + 2 * np.abs(log2_l) + 2 + np.abs(log2_l - 8) + np.abs(ma + log2_l - 8))
             + 2 * EPS * np.abs(lse)
             + EPS * (4 * np.sqrt(n) + 2 * blocks + 4)
         )
@@ -242,6 +247,8 @@ PARTIAL_CASES = {
                         False),
     "q2_h4_s7_unit_scales": (dict(seed=6, seq_lens=(127, 128, 129, 600), qlen=2, h=4,
                                   k_scale=1.0, v_scale=1.0, sm_scale=0.11), 7, True),
+    "q2_h8_s2_negative_scale": (dict(seed=7, seq_lens=(5, 300), qlen=2, h=8, sm_scale=-0.05), 2,
+                                True),
 }  # fmt: skip
 
 
@@ -389,6 +396,20 @@ def test_merge_random_partials():
     check(out, out_lse, ref, ref_lse, tol, lse_tol, "merge")
     np.testing.assert_array_equal(out[1], O.to_f64(o)[1, 0])  # one finite partial: unchanged
     np.testing.assert_array_equal(out_lse[1], lse[1, 0])
+
+
+def test_merge_overflowed_partials():
+    """Partials whose lse overflowed float32 (+inf: a huge sm_scale) weigh alike and the others
+    0, as the exact merge (``reference.attention.merge_weights``) weighs them: the output is the
+    mean of their o (exact here: two bf16 values, power-of-two count), its lse +inf."""
+    r = C.rng(10)
+    o = np.asarray(O.round_bf16(r.standard_normal((2, 4, 3, 512))), np.float32)
+    lse = np.array([[np.inf, 5.0, np.inf, -np.inf], [1.0, np.inf, -np.inf, 2.0]], np.float32)
+    lse = np.repeat(lse[..., None], 3, axis=-1)
+    out, out_lse = run_merge(jnp.asarray(o, jnp.bfloat16), jnp.asarray(lse))
+    want = np.stack([(o[0, 0] + o[0, 2]) / 2, o[1, 1]])
+    np.testing.assert_array_equal(out, O.to_f64(O.round_bf16(want)))
+    np.testing.assert_array_equal(out_lse, np.inf)
 
 
 def merged_bound(case, num_splits, o_p, lse_p):

@@ -46,15 +46,35 @@ def test_mla_decode_fills_the_cus_and_writes_partials():
     assert e.misses() == []
 
 
-def test_mla_decode_rereads_k_per_head_group():
+def test_mla_decode_head_groups_share_k_through_the_l2():
+    """The 8 head groups' CTAs of a (split, request) are consecutive block ids of one XCD (the
+    kernel's grid), so K and its indices come from HBM once and 8 times from the L2."""
     e = model.estimate(MlaDecode(batch=4, context=8192, heads=128))
     assert e.splits == 8  # 256 / (4 requests x 8 head groups)
     assert e.workgroups == 8 * 8 * 4  # 8 XCDs x 8 groups x ceil(4 x 8 / 8)
-    assert e.record_bytes == 8 * 4 * 8192 * ROW
-    assert e.misses() == ["bytes 8x min"]
+    assert e.record_bytes == e.min_record_bytes == 4 * 8192 * ROW
+    assert e.l2_requests == 8
+    assert e.misses() == []
     one = model.estimate(MlaDecode(batch=64, context=8192, heads=128))
     assert (one.splits, one.workgroups) == (1, 512)
-    assert one.other_bytes == 8 * 64 * 8192 * 4 + 64 * 128 * (576 * 2 + PARTIAL)  # no combine
+    assert one.other_bytes == 64 * 8192 * 4 + 64 * 128 * (576 * 2 + PARTIAL)  # no combine
+    row = next(line for line in model.shape_lines([MlaDecode(4, 8192, 128)]) if "B=4" in line)
+    assert row.endswith("| meets both (records 8x from L2) |")
+
+
+DENSE_AND_ULTRAQUANT = [s for s in model.DECODE_SHAPES if isinstance(s, (MlaDecode, UltraQuant))]
+
+
+@pytest.mark.parametrize("shape", DENSE_AND_ULTRAQUANT, ids=str)
+def test_dense_and_ultraquant_shapes_meet_the_redesign_targets(shape):
+    """No shape counts more than 1.1x the minimum record bytes, and none launches fewer
+    workgroups than CUs while its keys could fill them at 64 keys a split."""
+    e = model.estimate(shape)
+    assert e.record_bytes <= 1.1 * e.min_record_bytes
+    keys = shape.batch * shape.context
+    kv_heads = shape.kv_heads if isinstance(shape, UltraQuant) else 1
+    if kv_heads * keys // 64 >= e.cus:
+        assert e.workgroups >= e.cus
 
 
 def test_mla_decode_split_cap_leaves_cus_idle():

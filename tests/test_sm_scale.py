@@ -1,11 +1,9 @@
 """Any finite ``sm_scale`` gives a finite result where the exact attention is finite: the
-exact path, the Pallas and the Mosaic GPU kernels ("mosaic": a Hopper GPU, ``gpu`` marker),
-and the gfx950 ``ultraquant_decode`` kernel and its emulation take the running maximum of the
-scores times the scale's sign and multiply by |sm_scale| only after it is subtracted (and
-merges of partials whose lse overflows float32 keep the overflowed ones). A scale of 1e37
-makes every scaled score overflow float32 (|q·k| is ~10 here); the float64 oracle does not.
-(The gfx950 ``sparse_mla`` and ``mla_decode`` kernels and their emulation still scale before
-the max: README, "Use".)"""
+exact path, the Pallas and the Mosaic GPU kernels ("mosaic": a Hopper GPU, ``gpu`` marker) and
+the gfx950 kernels' emulation take the running maximum of the scores times the scale's sign and
+multiply by |sm_scale| only after it is subtracted (and merges of partials whose lse overflows
+float32 keep the overflowed ones). A scale of 1e37 makes every scaled score overflow float32
+(|q·k| is ~10 here); the float64 oracle does not."""
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +39,7 @@ def test_sparse_mla(sm_scale, impl):
     assert np.all(np.isfinite(np.asarray(grad, np.float32)))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", [*IMPLS, "gfx950_emulation"])
 @pytest.mark.parametrize("sm_scale", SCALES)
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_mla_decode(sm_scale, num_splits, impl):

@@ -145,7 +145,7 @@ def mla_decode_partials_bound(
         p = np.exp(scores - scores.max(axis=-1, keepdims=True))
         p /= p.sum(axis=-1, keepdims=True)
         vmax = np.abs(v).max()
-        score_abs = sm_scale * (np.abs(q[row]) @ np.abs(k).T).max(axis=-1)  # [H]
+        score_abs = abs(sm_scale) * (np.abs(q[row]) @ np.abs(k).T).max(axis=-1)  # [H]
         f32 = EPS * (16 * score_abs + 8 * np.sqrt(len(ids)) + 8 * blocks + 32) * vmax
         tol[row, s] += 2.0**-7 * (p @ np.abs(v)) + f32[:, None]
         lse_tol[row, s] = 2.0**-22 * (np.abs(lse_e[row, s]) + 8) + 8 * EPS * score_abs
@@ -153,10 +153,10 @@ def mla_decode_partials_bound(
 
 
 def merge_bound(o_parts, lse_parts, out_e, lse_e):
-    """The combine: ``2^-7 |o| + 2^-20 max_s |o_s|`` over the partials with weight (finite
-    lse) and ``2^-22 (|lse| + 1)`` -> (tol [n, H, D], lse_tol [n, H])."""
+    """The combine: ``2^-7 |o| + 2^-20 max_s |o_s|`` over the partials that may have weight
+    (lse > -inf) and ``2^-22 (|lse| + 1)`` -> (tol [n, H, D], lse_tol [n, H])."""
     o_parts, lse_parts, out_e, lse_e = map(f64, (o_parts, lse_parts, out_e, lse_e))
-    live = np.isfinite(lse_parts)[..., None]
+    live = (lse_parts > -np.inf)[..., None]
     o_max = np.max(np.where(live, np.abs(np.nan_to_num(o_parts)), 0.0), axis=1)
     lse_tol = 2.0**-22 * (np.abs(np.where(np.isfinite(lse_e), lse_e, 0.0)) + 1)
     return 2.0**-7 * np.abs(out_e) + 2.0**-20 * o_max, lse_tol

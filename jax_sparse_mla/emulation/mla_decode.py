@@ -5,7 +5,8 @@ oracle of those kernels and a numerics study of their design. All values are flo
 otherwise; ``e4m3`` is OCP e4m3fn with round-to-nearest-even; ``exp2``/``log2`` are exact up to
 a few ulp here and the hardware ``v_exp_f32`` / ``v_log_f32`` on the device.
 
-Partials (per request, split, query row; ``c = (sm_scale * k_scale) * f32(log2 e)``):
+Partials (per request, split, query row; ``c = (sm_scale * k_scale) * f32(log2 e)``,
+``sg = -1`` if ``c < 0`` else 1, ``a = c sg = |c|``):
 
 * q split, per query row over its 576 dims (``q_split``): ``e`` = exponent bits of ``max|q|``,
   ``s = max(e - 7, 6)`` (E8M0, so ``max|q| 2^(127-s)`` is in [128, 256) unless clamped),
@@ -15,17 +16,20 @@ Partials (per request, split, query row; ``c = (sm_scale * k_scale) * f32(log2 e
   every element with ``|x| >= 2^-7`` (e.g. within 2^14 of the row max) and is off by at most
   ``2^-15 2^(s-127)`` otherwise.
 * Scores: ``S = (sum_d code_d (hi_d + lo_d / 32)) 2^(s-127)`` (the raw fp8 K codes, f32
-  accumulation), ``s_log2 = S c``; a key is masked (``s_log2 = -1e30``) when its position is
-  outside the split, its index position outside ``[0, len(kv_indices))``, its index outside
-  ``[0, tokens)`` or it is causally hidden (``j > seq_len - qlen + i``).
+  accumulation), ``t = S sg`` (exact); a key is masked (``t = -inf``, ``P = 0``) when its
+  position is outside the split, its index position outside ``[0, len(kv_indices))``, its
+  index outside ``[0, tokens)`` or it is causally hidden (``j > seq_len - qlen + i``).
 * Online softmax over 128-key blocks of the split (block ``b`` = positions
-  ``lo + 128 b + [0, 128)``): ``m' = max(m, max_block s_log2)`` (``m`` starts at -1e30),
-  ``m8 = max(m' - 8, -1e20)``, ``alpha = exp2(m - m')``, ``P = exp2(s_log2 - m8)`` (so
-  ``P <= 2^8``), ``l' = l alpha + sum P`` (the f32 P), ``O' = O alpha + sum_k Pq_k code_k`` with
+  ``lo + 128 b + [0, 128)``), scaled after the max: ``m' = max(m, max_block t)`` (``m``
+  starts at -inf), ``alpha = exp2((m - m') a)`` (0 while ``m = -inf``),
+  ``P = exp2((t - m') a + 8)`` (so ``P <= 2^8``), ``l' = l alpha + sum P`` (the f32 P),
+  ``O' = O alpha + sum_k Pq_k code_k`` with
   ``Pq = hi + lo / 32``, ``hi = e4m3(P)``, ``lo = e4m3((P - hi) 32)`` (``p_split``) and the raw
   fp8 V codes (masked keys contribute 0).
-* ``o = bf16(O (v_scale / l))``, ``lse = (m8 + log2 l) ln 2``; ``o = 0``, ``lse = -inf`` when
-  ``l == 0`` (no visible key).
+* ``o = bf16(O (v_scale / l))``, ``lse = (m a + (log2 l - 8)) ln 2``; ``o = 0``,
+  ``lse = -inf`` when ``l == 0`` (no visible key). Any finite sm_scale gives finite weights
+  (while ``c`` is finite: ``|sm_scale k_scale| log2 e < 2^128``); an lse past float32's range
+  is +-inf.
 * Causal rule (the kernel's way): the NaN V codes of the boundary keys ``j > seq_len - qlen``
   (hidden from some position, seen by another) are zeroed before ``P V`` (after the scores), so
   a hidden key contributes exactly nothing, even a NaN. A row that sees a NaN code has a NaN
@@ -33,7 +37,8 @@ Partials (per request, split, query row; ``c = (sm_scale * k_scale) * f32(log2 e
   o and the LSE NaN.
 
 Combine (per output row and head, over the S partials in order):
-``m = max_s lse_s``; all -inf: ``o = 0``, ``lse = -inf``. Else ``w_s = exp2((lse_s - m) log2 e)``,
+``m = max_s lse_s``; all -inf: ``o = 0``, ``lse = -inf``. Else ``w_s = exp2((lse_s - m) log2 e)``
+(``m = +inf``: ``w_s = [lse_s = +inf]``),
 ``acc = sum_s (w_s > 0 ? w_s o_s : 0)`` and ``W = sum_s w_s`` (both left to right),
 ``o = bf16(acc / W)``, ``lse = m + log2(W) ln 2``.
 
@@ -70,9 +75,7 @@ from jax_sparse_mla.emulation._arith import LO_FACTOR, exp2, fp8_hi_lo, narrow
 from jax_sparse_mla.formats import LATENT_DIM, pow2
 
 BLOCK = 128  # keys per block (the kernel's KV block)
-P_SHIFT = 8.0  # P = exp2(s - m + 8) <= 2^8
-NEG_BIG = -1.0e30  # masked score
-M_FLOOR = -1.0e20  # exp2(NEG_BIG - M_FLOOR) = 0 while every key so far is masked
+P_SHIFT = 8.0  # P = exp2((t - m) |c| + 8) <= 2^8
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 Q_SCALE_MIN = 6  # smallest hi E8M0 exponent byte (the lo one, s - 5, stays >= 1)
@@ -149,6 +152,8 @@ def mla_decode_partials_gfx950_emulation(
         )
     f32 = jnp.float32
     c = (jnp.asarray(sm_scale, f32) * jnp.asarray(k_scale, f32)) * f32(LOG2E)
+    sg = jnp.where(c < 0, f32(-1.0), f32(1.0))
+    a = c * sg
     x_hat, q_scale = q_split(q.reshape(b, m_rows, dim))  # [B, M, 576], [B, M]
     start, seq_len, chunk = split_bounds(kv_indptr, n, s_count)
     lo = jnp.arange(s_count, dtype=jnp.int32)[None, :] * chunk[:, None]  # [B, S]
@@ -169,13 +174,12 @@ def mla_decode_partials_gfx950_emulation(
         codes = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(f32)
         codes = jnp.where(valid[..., None], codes, 0.0)
         dots = jnp.einsum("bmd,bstd->bsmt", x_hat, codes, precision=jax.lax.Precision.HIGHEST)
-        s_log2 = (dots * q_scale[:, None, :, None]) * c
+        t = (dots * q_scale[:, None, :, None]) * sg
         visible = valid[:, :, None, :] & (j[:, :, None, :] <= bound[:, None, :, None])
-        s_log2 = jnp.where(visible, s_log2, f32(NEG_BIG))
-        m_new = jnp.maximum(m_run, jnp.max(s_log2, axis=-1))
-        m8 = jnp.maximum(m_new - f32(P_SHIFT), f32(M_FLOOR))
-        alpha = exp2(m_run - m_new)
-        p = exp2(s_log2 - m8[..., None])
+        t = jnp.where(visible, t, -jnp.inf)
+        m_new = jnp.maximum(m_run, jnp.max(t, axis=-1))
+        alpha = jnp.where(m_run == -jnp.inf, 0.0, exp2((m_run - m_new) * a))
+        p = jnp.where(visible, exp2((t - m_new[..., None]) * a + f32(P_SHIFT)), 0.0)
         l_new = l_run * alpha + jnp.sum(p, axis=-1)
         v = codes[..., :LATENT_DIM]
         boundary = (j > (seq_len - qlen)[:, None, None])[..., None]
@@ -184,7 +188,7 @@ def mla_decode_partials_gfx950_emulation(
         return m_new, l_new, o_run * alpha[..., None] + pv
 
     init = (
-        jnp.full((b, s_count, m_rows), NEG_BIG, f32),
+        jnp.full((b, s_count, m_rows), -jnp.inf, f32),
         jnp.zeros((b, s_count, m_rows), f32),
         jnp.zeros((b, s_count, m_rows, LATENT_DIM), f32),
     )
@@ -192,8 +196,7 @@ def mla_decode_partials_gfx950_emulation(
     has = l_fin != 0  # NaN included (causal rule)
     l_safe = jnp.where(has, l_fin, 1.0)
     o = jnp.where(has[..., None], o_fin * (jnp.asarray(v_scale, f32) / l_safe)[..., None], 0.0)
-    m8 = jnp.maximum(m_fin - f32(P_SHIFT), f32(M_FLOOR))
-    lse = jnp.where(has, (m8 + jnp.log2(l_safe)) * f32(LN2), -jnp.inf)
+    lse = jnp.where(has, (m_fin * a + (jnp.log2(l_safe) - f32(P_SHIFT))) * f32(LN2), -jnp.inf)
     # [B, S, (qlen, H)] -> [B * qlen, S, H]
     o = o.reshape(b, s_count, qlen, h, LATENT_DIM).transpose(0, 2, 1, 3, 4)
     lse = lse.reshape(b, s_count, qlen, h).transpose(0, 2, 1, 3)
@@ -225,6 +228,7 @@ def merge_attn_states_gfx950_emulation(
         acc, total = carry
         o_s, lse_s = part
         w = exp2((lse_s - m_ref) * f32(LOG2E))
+        w = jnp.where(m == jnp.inf, (lse_s == jnp.inf).astype(f32), w)
         contrib = jnp.where((w > 0)[..., None], w[..., None] * o_s.astype(f32), 0.0)
         return (acc + contrib, total + w), None
 

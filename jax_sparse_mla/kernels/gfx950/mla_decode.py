@@ -8,7 +8,8 @@ Partials: request ``r``'s key positions ``j < seq_len = max(indptr[r+1] - indptr
 ``kv_indices[indptr[r] + j]``) are cut into splits ``[s c, min((s + 1) c, seq_len))``,
 ``c = 128 ceil(seq_len / (128 S))``. For each (request, split, query row) the kernel writes the
 split's softmax-normalized output (bf16) and natural-log LSE (f32; -inf and o = 0 without a
-visible key). Arithmetic, exactly (f32 unless said otherwise, ``c2 = (sm_scale k_scale) log2 e``):
+visible key). Arithmetic, exactly (f32 unless said otherwise, ``c2 = (sm_scale k_scale) log2 e``,
+``sg = -1`` if ``c2 < 0`` else 1, ``a = c2 sg = |c2|``):
 
 * q split per query row (576 dims): ``e`` = exponent bits of ``max|q|``; ``s = max(e - 7, 6)``
   (E8M0); ``x = q 2^(127-s)`` (exact, in (-256, 256); subnormal q included);
@@ -16,15 +17,19 @@ visible key). Arithmetic, exactly (f32 unless said otherwise, ``c2 = (sm_scale k
 * Scores: ``S = sum_d code_d (hi_d 2^(s-127) + lo_d 2^(s-132))`` by 9 scaled fp8 MFMAs
   16x16x128 per 16-key tile (the raw K codes with E8M0 scale 1 as A, q's hi and lo with their
   E8M0 scales as B: each MFMA pairs 64 dims with their hi and their lo), f32 accumulation;
-  ``s = S c2`` (log2 units). A key is masked (``s = -1e30``) when its position is outside the
-  split, its index position outside ``[0, n_indices)``, its index outside ``[0, tokens)``, or it
-  is causally hidden (query position ``i`` sees ``j <= seq_len - qlen + i``).
-* Online softmax per 128-key block: ``m' = max(m, block max)`` (``m = -1e30`` at first),
-  ``m8 = max(m' - 8, -1e20)``, ``alpha = exp2(m - m')``, ``P = exp2(s - m8)`` (``<= 2^8``),
-  ``l' = l alpha + sum P``, ``O' = O alpha + sum_k (hi_k + lo_k / 32) V_k`` with
+  ``t = S sg`` (exact; the scaled score ``S c2 = t a`` is never formed). A key is masked
+  (``t = -inf``, ``P = 0``) when its position is outside the split, its index position outside
+  ``[0, n_indices)``, its index outside ``[0, tokens)``, or it is causally hidden (query
+  position ``i`` sees ``j <= seq_len - qlen + i``).
+* Online softmax per 128-key block, the scale applied after the max (any finite sm_scale, also
+  0 or negative, gives finite weights): ``m' = max(m, block max t)`` (``m = -inf`` at first),
+  ``alpha = exp2((m - m') a)`` (0 while ``m = -inf``), ``P = exp2((t - m') a + 8)``
+  (``<= 2^8``; 0 for a masked key), ``l' = l alpha + sum P``,
+  ``O' = O alpha + sum_k (hi_k + lo_k / 32) V_k`` with
   ``hi = e4m3(P)``, ``lo = e4m3((P - hi) 32)`` and V the raw e4m3 codes (fp8 MFMAs, lo with
-  E8M0 scale 2^-5, f32 accumulation). k_scale enters through ``c2``, v_scale at the end.
-* ``o = bf16(O (v_scale / l))`` (RNE), ``lse = (m8 + log2 l) ln 2``; ``l == 0``: o = 0, -inf.
+  E8M0 scale 2^-5, f32 accumulation). k_scale enters through ``a``, v_scale at the end.
+* ``o = bf16(O (v_scale / l))`` (RNE), ``lse = (m a + (log2 l - 8)) ln 2`` (+-inf where it
+  overflows float32); ``l == 0``: o = 0, -inf.
   ``exp2`` / ``log2`` are the hardware ``v_exp_f32`` / ``v_log_f32``.
 * Causal rule: a key hidden from query position ``i`` contributes nothing to row ``i``, whatever
   its bytes hold. Its score is replaced (a select: a NaN K code never reaches a hidden row),
@@ -65,7 +70,22 @@ The DMA's LDS writes carry their own alias scope, so the compiler does not wait 
 block's DMA before this block's LDS accesses either. ``tests/test_isa.py`` checks the waits in
 the ISA: ``lgkmcnt(0)`` before every ``s_barrier``, no ``vmcnt`` wait at the two mid-block
 ones. The CTAs of one (split, request) run on one XCD (block ids ``8 k + x`` go to XCD ``x``:
-round-robin dispatch assumed), so a split's K rows come from HBM once per XCD L2.
+round-robin dispatch assumed), so a split's K rows come from HBM once per XCD L2 and are
+requested ``G`` times from it.
+
+All heads in one CTA (designed, not built; docs/mi355.md has the numbers). With up to 128 rows
+per CTA, wave ``w`` owning rows ``[16w, 16w + 16)`` over every key of the block, K would be
+requested once per (request, split), the row max and l stay in the wave (one barrier per
+block), and P stays in registers: lane (row ``t``, group ``g``) holds keys ``16 kt + 4 g + r``
+(``kt`` < 8, ``r`` < 4) of its QK tiles, which is the PV B operand when K index ``32 g + 4 kt
++ r`` is that key and each ``ds_read_b64_tr_b8`` fetches keys ``32 r' + 16 (k // 4) + 4 g +
+k % 4``. It does not fit 8 waves: their 256 unified VGPRs per lane must hold O (16 rows x 512
+f32 = 128), q's hi and lo (72) and the block's scores (32). Compiled prototypes of that loop
+(not kept) took 256 VGPRs and spilled 28 to 111 (128- or 64-key blocks, q's lo from LDS,
+scheduling barriers per tile), and 4 waves of 32 rows at 1 wave per SIMD 512 (half AGPRs),
+spilling 735 to 1177; LDS leaves no room for q (hi and lo: 147456 B beside two K slots).
+The peer kernel serving 128 heads per CTA (FlyDSL's ``mla_fwd_decode_m16x8_fp8_fp8``: 8 waves,
+one CTA per CU, 64-key blocks) takes an fp8 q: 36 VGPRs, not 72.
 
 Relative to the reference design it started from (a gfx950 MLA decode kernel outside this
 repository): no warp specialization (WSPEC: every wave does the QK of its 16 keys and
@@ -87,14 +107,16 @@ Partials launch ABI (``launch(*tensors, *scalars, stream)``; packed ``void **arg
 Scalars: ``num_requests`` B, ``num_heads`` H, ``num_splits`` S, ``n_indices``, ``tokens``
 (int32, all >= 0, B, H, S >= 1), ``k_scale``, ``v_scale``, ``sm_scale`` (f32). Grid
 ``(8 G ceil(B S / 8), 1, 1)`` with ``G = ceil(H qlen / 16)`` head groups, block ``(512, 1, 1)``.
-Preconditions: ``n_indices < 2^29``, ``kv_indptr`` entries in ``[0, 2^30)``, scores finite
-(``|s| < 1e20``).
+Preconditions: ``n_indices < 2^29``, ``kv_indptr`` entries in ``[0, 2^30)``, the unscaled
+scores ``|S| < 2^126`` (so ``t - m'`` is finite) and ``c2`` finite (any finite ``sm_scale``
+whose product with ``k_scale log2 e`` stays below 2^128).
 
 Combine launch ABI: tensors ``o_parts`` bf16 ``[n, S, H, 512]``, ``lse_parts`` f32 ``[n, S, H]``,
 ``out`` bf16 ``[n, H, 512]``, ``lse`` f32 ``[n, H]``; scalars ``num_rows`` (= n H),
 ``num_heads`` H, ``num_splits`` S (int32, >= 1). Grid ``(ceil(n H / 4), 1, 1)``, block
 ``(256, 1, 1)``: wave ``w`` of CTA ``b`` merges row ``4b + w``, lane ``L`` dims
-``[8L, 8L + 8)``: ``m = max_s lse_s``, ``w_s = exp2((lse_s - m) log2 e)``,
+``[8L, 8L + 8)``: ``m = max_s lse_s``, ``w_s = exp2((lse_s - m) log2 e)`` (``m = +inf``, an
+lse past float32's range: ``w_s = [lse_s = +inf]``),
 ``o = bf16(sum_s (w_s > 0 ? w_s o_s : 0) / sum_s w_s)`` (sums left to right),
 ``lse = m + log2(sum w) ln 2``; all -inf: o = 0, lse = -inf. Design occupancy 8 waves per SIMD.
 """
@@ -164,9 +186,8 @@ P_LO = ROWS * P_ROW
 LDS_MAX = LDS_P + 2 * P_LO  # f32 [16 rows][8 waves]
 LDS_BYTES = LDS_MAX + ROWS * WAVES * 4
 
-P_SHIFT = 8.0  # P = exp2(s - m + 8) <= 2^8
-NEG_BIG = -1.0e30  # masked score
-M_FLOOR = -1.0e20  # exp2(NEG_BIG - M_FLOOR) = 0 while every key so far is masked
+P_SHIFT = 8.0  # P = exp2((t - m) |c2| + 8) <= 2^8
+NEG_INF = float("-inf")  # masked score t; the running max before the first visible key
 E8M0_ONE = 127
 Q_SCALE_MIN = 6  # smallest hi E8M0 byte (the lo one, s - 5, stays >= 1)
 LO_SHIFT = 5  # lo = e4m3(residual * 2^5) (split_fp8), E8M0 scale of the lo operand: byte - 5
@@ -412,6 +433,8 @@ def build_partials_launcher(qlen: int):
                 * 2
             )
             c2 = (sm_scale * k_scale) * LOG2E
+            sg = (c2 < 0.0).select(fx.Float32(-1.0), fx.Float32(1.0))
+            ac2 = c2 * sg
 
             q_ops, q_scale_b = _q_operands(q_lane, row_ok, g)
 
@@ -469,7 +492,7 @@ def build_partials_launcher(qlen: int):
             dma(key_cur, 0)
             raw_next = load_index(1)
 
-            m_run = fx.Float32(NEG_BIG)
+            m_run = fx.Float32(NEG_INF)
             l_run = fx.Float32(0.0)
             o_acc = [Vec.filled(4, 0.0, fx.Float32) for _ in range(LAT_TILES)]
             for blk_i in range(nb):
@@ -491,11 +514,12 @@ def build_partials_launcher(qlen: int):
                         _load_lds(slot + k_rd[0] + 64 * s, 4), _load_lds(slot + k_rd[1] + 64 * s, 4)
                     )
                     acc = mfma_scaled(ka, q_ops[s], acc, E8M0_ONE, q_scale_b)
-                sl = []
+                sl, vl = [], []
                 for r in range_constexpr(4):
                     kpos = lo + blk * BLOCK + w * TILE + 4 * g + r
                     vis = (((live >> (4 * g + r)) & 1) != 0) & (kpos <= bound)
-                    sl.append(vis.select(f32(acc[r]) * c2, fx.Float32(NEG_BIG)))
+                    sl.append(vis.select(f32(acc[r]) * sg, fx.Float32(NEG_INF)))
+                    vl.append(vis)
                 tmax = fmax(fmax(sl[0], sl[1]), fmax(sl[2], sl[3]))
                 _store_lds(mx_wr, group_max(tmax), 4)
                 lds_barrier()
@@ -505,9 +529,11 @@ def build_partials_launcher(qlen: int):
                 m_new = m_run
                 for k in range_constexpr(WAVES):
                     m_new = fmax(m_new, mx[k // 4][k % 4])
-                m8 = fmax(m_new - P_SHIFT, fx.Float32(M_FLOOR))
-                alpha = exp2(m_run - m_new)
-                pl = [exp2(x - m8) for x in sl]
+                alpha = (m_run == NEG_INF).select(fx.Float32(0.0), exp2((m_run - m_new) * ac2))
+                pl = [
+                    v.select(exp2((x - m_new) * ac2 + P_SHIFT), fx.Float32(0.0))
+                    for x, v in zip(sl, vl, strict=True)
+                ]
                 l_run = l_run * alpha + ((pl[0] + pl[1]) + (pl[2] + pl[3]))
                 m_run = m_new
                 o_acc = [
@@ -561,9 +587,8 @@ def build_partials_launcher(qlen: int):
             if row_ok:
                 for jt in range_constexpr(LAT_TILES):
                     store_global(o_lane + 32 * jt, res[jt].bitcast(fx.Int32), 8)
-            m8 = fmax(m_run - P_SHIFT, fx.Float32(M_FLOOR))
             lse = has_l.select(
-                (m8 + log2(has_l.select(l_tot, fx.Float32(1.0)))) * LN2,
+                (m_run * ac2 + (log2(has_l.select(l_tot, fx.Float32(1.0))) - P_SHIFT)) * LN2,
                 fx.Float32(float("-inf")),
             )
             if row_ok & (w == 0) & (g == 0):
@@ -644,12 +669,16 @@ def build_combine_launcher():
             for s in range(num_splits):
                 m = fmax(m, load_global(lse_at + fx.Int64(s) * stride * 4, 1, T.f32)[0])
             empty = m == float("-inf")
+            over = m == float("inf")
             m_ref = empty.select(fx.Float32(0.0), m)
             acc = [fx.Float32(0.0)] * 8
             total = fx.Float32(0.0)
             for s in range(num_splits):
                 lse_s = f32(load_global(lse_at + fx.Int64(s) * stride * 4, 1, T.f32)[0])
-                w_s = exp2((lse_s - m_ref) * LOG2E)
+                w_s = over.select(
+                    (lse_s == float("inf")).select(fx.Float32(1.0), fx.Float32(0.0)),
+                    exp2((lse_s - m_ref) * LOG2E),
+                )
                 o_s = load_global(o_at + fx.Int64(s) * stride * (LATENT * 2), 4)
                 o_s = o_s.bitcast(fx.BFloat16).to(fx.Float32)
                 live = w_s > 0.0
