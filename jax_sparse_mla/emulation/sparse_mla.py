@@ -47,6 +47,7 @@ import numpy as np
 
 from jax_sparse_mla._vma import fori_loop
 from jax_sparse_mla.emulation._arith import fp8_hi_lo, rounded
+from jax_sparse_mla.emulation.mla_decode import merge_attn_states_gfx950_emulation
 from jax_sparse_mla.formats import (
     LATENT_DIM,
     NUM_SCALES,
@@ -59,6 +60,7 @@ from jax_sparse_mla.formats import (
 from jax_sparse_mla.reference.sparse_mla import no_keys
 
 TILE = 128  # keys per tile, as in the kernel
+SPLIT_KEYS = 64  # a key split is whole 64-position chunks of its row
 P_SHIFT = 8.0  # P = exp2(s - m + 8) <= 2^8
 NEG_BIG = -1.0e30  # masked score
 M_FLOOR = -1.0e20  # while every key so far is masked, exp2(NEG_BIG - M_FLOOR) = 0
@@ -98,33 +100,82 @@ def _block_scale(e: jax.Array) -> jax.Array:
     return jnp.where(e > 0, pow2(jnp.clip(e, 1, 255) - 127), 0.0)
 
 
+def split_range(length, split, splits: int):
+    """Positions ``[lo, hi)`` (from the row's first) of key split ``split`` of a row of
+    ``length`` entries: chunks of ``c = 64 ceil(length / (64 splits))``, as the kernel's
+    ``_split_range`` (ints or jnp arrays)."""
+    per = SPLIT_KEYS * splits
+    chunk = (length + per - 1) // per * SPLIT_KEYS
+    lo = jnp.minimum(split * chunk, length)
+    return lo, jnp.minimum(lo + chunk, length)
+
+
 def sparse_mla_gfx950_emulation(
-    q: jax.Array, kv: jax.Array, idx: jax.Array, indptr: jax.Array, sm_scale: jax.Array
+    q: jax.Array,
+    kv: jax.Array,
+    idx: jax.Array,
+    indptr: jax.Array,
+    sm_scale: jax.Array,
+    num_splits: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
-    """The gfx950 sparse_mla kernel's arithmetic, in jnp (see the module docstring).
+    """The gfx950 sparse_mla kernels' arithmetic, in jnp (see the module docstring): with
+    ``num_splits`` S > 1 the partials (``sparse_mla_partials_gfx950_emulation``) merged by the
+    combine kernel's arithmetic; S = 1 the partial is the result.
 
     Args (as ``jax_sparse_mla.reference.sparse_mla.sparse_mla_xla``):
       q: [n_q, H, 576] bf16 (any H: the kernel's head groups do not change the arithmetic).
       kv: [..., 656] uint8 fp8_ds_mla records (read as rows).
       idx: [nnz] int32; indptr: [n_q + 1] int32 (CSR).
       sm_scale: float32 scalar.
+      num_splits: static int, key splits per row (``ffi.calls.default_sparse_splits``).
     Returns:
       out [n_q, H, 512] bf16 and lse [n_q, H] float32.
     """
+    o_parts, lse_parts = sparse_mla_partials_gfx950_emulation(
+        q, kv, idx, indptr, sm_scale, num_splits
+    )
+    if num_splits == 1:
+        return o_parts[:, 0], lse_parts[:, 0]
+    return merge_attn_states_gfx950_emulation(o_parts, lse_parts)
+
+
+def sparse_mla_partials_gfx950_emulation(
+    q: jax.Array,
+    kv: jax.Array,
+    idx: jax.Array,
+    indptr: jax.Array,
+    sm_scale: jax.Array,
+    num_splits: int,
+) -> tuple[jax.Array, jax.Array]:
+    """The kernel's per-split results: o_parts [n_q, S, H, 512] bf16 (normalized per split) and
+    lse_parts [n_q, S, H] float32 (-inf and o 0 for a split without keys)."""
     n_q, h, _ = q.shape
     records = kv.reshape(-1, RECORD_BYTES)
     rows, nnz = records.shape[0], idx.shape[0]
     if rows == 0 or nnz == 0 or n_q == 0:
-        return no_keys(n_q, h)
+        out, lse = no_keys(n_q * num_splits, h)
+        return out.reshape(n_q, num_splits, h, LATENT_DIM), lse.reshape(n_q, num_splits, h)
 
+    row_start = jnp.clip(indptr[:-1], 0, nnz)
+    row_length = jnp.clip(indptr[1:], row_start, nnz) - row_start
+    lo, hi = split_range(row_length[:, None], jnp.arange(num_splits)[None, :], num_splits)
+    start = (row_start[:, None] + lo).reshape(-1)  # [n_q S]: item r S + s
+    length = (hi - lo).reshape(-1)
+    out, lse = _attend(jnp.repeat(q, num_splits, axis=0), records, idx, start, length, sm_scale)
+    return out.reshape(n_q, num_splits, h, LATENT_DIM), lse.reshape(n_q, num_splits, h)
+
+
+def _attend(q, records, idx, start, length, sm_scale) -> tuple[jax.Array, jax.Array]:
+    """Each query row's attention over its positions ``[start, start + length)`` of idx (a
+    split of a row): out [n, H, 512] bf16, lse [n, H] float32."""
+    n_q, h, _ = q.shape
+    rows, nnz = records.shape[0], idx.shape[0]
     q_hi, q_lo, s_hi = split_q(q[..., :LATENT_DIM])  # [n_q, H, 4, 128], [n_q, H, 4]
     q_hi_scale = pow2(s_hi - 127)
     q_lo_scale = pow2(s_hi - 127 - LO_SHIFT)
     q_rope = q[..., LATENT_DIM:].astype(jnp.float32)
     c_log2 = jnp.asarray(sm_scale, jnp.float32) * LOG2E
 
-    start = jnp.clip(indptr[:-1], 0, nnz)
-    length = jnp.clip(indptr[1:], start, nnz) - start
     offsets = jnp.arange(TILE, dtype=jnp.int32)
 
     def step(t, carry):

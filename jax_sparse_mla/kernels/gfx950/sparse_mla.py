@@ -139,6 +139,7 @@ from jax_sparse_mla.kernels.gfx950.configs import SPARSE_MLA_MAX_HEADS as MAX_HE
 
 RECORD_BYTES = 656
 TILE = 128  # tokens per tile
+SPLIT_KEYS = 64  # a split is whole 64-position chunks of its row (the last one short)
 THREADS = SPARSE_MLA_THREADS  # 4 waves of 64
 SCALE_OFF = 512  # record byte offsets
 ROPE_OFF = 528
@@ -377,6 +378,33 @@ def _pv_at(p_rd, sv_rd, kk, s, heads) -> tuple:
     return p_rd + ((8 * hf + sub) * heads * 32 + 16 * s), sv_rd + (1024 * hf + 16 * sub + 64 * s)
 
 
+def _work_item(bid, groups) -> tuple:
+    """(work item, head group) of workgroup ``bid``: XCD ``x = bid % 8`` serves items
+    ``x, x + 8, ...``, each as ``groups`` consecutive workgroups of the XCD (block ids
+    ``8 (groups k + hg) + x``), so the head groups of one (row, split) share that XCD's L2."""
+    k = bid >> 3
+    return (k // groups) * 8 + (bid & 7), k % groups
+
+
+def _split_range(length, split, splits) -> tuple:
+    """Positions ``[lo, hi)`` (from the row's first) of split ``split`` of a row of ``length``
+    entries: chunks of ``c = 64 ceil(length / (64 splits))``, the last ones short or empty."""
+    per = SPLIT_KEYS * splits
+    chunk = ((length + (per - 1)) // per) * SPLIT_KEYS
+    lo = _min(split * chunk, length)
+    return lo, _min(lo + chunk, length)
+
+
+def _min(a, b):
+    """min of two Python ints or two kernel values."""
+    return min(a, b) if isinstance(a, int) and isinstance(b, int) else fx.min(a, b)
+
+
+def _grid_x(n_q, splits, groups):
+    """Workgroups of a launch: ``8 groups ceil(n_q splits / 8)`` (whole rounds of 8 items)."""
+    return 8 * groups * ((n_q * splits + 7) // 8)
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernel
 # ---------------------------------------------------------------------------------------------
@@ -405,6 +433,8 @@ def build_launcher(config: Config):
         n_q: fx.Int32,
         nnz: fx.Int32,
         kv_rows: fx.Int32,
+        num_splits: fx.Int32,
+        head_groups: fx.Int32,
         q_row_stride: fx.Int32,
         q_head_stride: fx.Int32,
         out_row_stride: fx.Int32,
@@ -417,7 +447,13 @@ def build_launcher(config: Config):
         lane = tid & 63
         t = lane & 15  # QK: token row of the sub-tile; S / P / O: head
         g = lane >> 4  # lane group
-        qi = uniform(n_q - 1 - fx.Int32(fx.block_idx.x))  # long rows first
+        item, hg = _work_item(fx.Int32(fx.block_idx.x), head_groups)
+        item_ok = item < n_q * num_splits
+        item = fx.min(item, n_q * num_splits - 1)
+        row_item = item // num_splits
+        split = uniform(item - row_item * num_splits)
+        qi = uniform(n_q - 1 - row_item)  # long rows first
+        out_i = qi * num_splits + split  # row of out / lse: [n_q, S, ...]
         c_log2 = sm_scale * LOG2E
 
         q_base, kv_base, idx_base = base_address(Q), base_address(KV), base_address(IDX)
@@ -425,11 +461,14 @@ def build_launcher(config: Config):
         lds = fx.SharedAllocator().allocate(Smem).peek()
         base = uniform(fx.ptrtoint(lds.raw.ptr))
 
-        # ---- this row's CSR slice, clamped to [0, nnz]
+        # ---- this split's slice of the row's CSR slice (clamped to [0, nnz]); no keys for a
+        # work item past the last (the grid's rounding to whole XCD rounds)
         bounds = load_global(ip_base + fx.Int64(qi) * 4, 2, align=4)
-        r_beg = fx.min(fx.max(uniform(bounds[0]), fx.Int32(0)), nnz)
-        r_end = fx.min(fx.max(uniform(bounds[1]), r_beg), nnz)
-        r_len = r_end - r_beg
+        row_beg = fx.min(fx.max(uniform(bounds[0]), fx.Int32(0)), nnz)
+        row_len = fx.min(fx.max(uniform(bounds[1]), row_beg), nnz) - row_beg
+        s_lo, s_hi = _split_range(row_len, split, num_splits)
+        r_beg = row_beg + s_lo
+        r_len = item_ok.select(s_hi - s_lo, fx.Int32(0))
         idx_rsrc = buffer_rsrc(
             global_ptr(idx_base + fx.Int64(r_beg) * 4),
             fx.min(fx.Int64(nnz - r_beg) * 4, fx.Int64(BUFFER_NO_LIMIT)),
@@ -456,7 +495,7 @@ def build_launcher(config: Config):
 
         # ---- Q: lane (head t, group g) holds latent blocks g // 2 and 2 + g // 2 as fp8 hi/lo
         h_ok = t < H
-        h = h_ok.select(t, fx.Int32(0))
+        h = hg * H + h_ok.select(t, fx.Int32(0))  # head of the launch's q / out / lse
         q_lane = q_base + (fx.Int64(qi) * fx.Int64(q_row_stride) + fx.Int64(h * q_head_stride)) * 2
         qa, qb = [], []
         for j in range_constexpr(4):
@@ -693,20 +732,20 @@ def build_launcher(config: Config):
         l_tot = (f32(lv[0]) + f32(lv[1])) + (f32(lv[2]) + f32(lv[3]))
         has_l = l_tot != 0.0
         inv_l = has_l.select(1.0 / l_tot, fx.Float32(0.0))
-        o_row = fx.Int64(qi) * fx.Int64(out_row_stride)
+        o_row = fx.Int64(out_i) * fx.Int64(out_row_stride)
         o_lane = out_base + (o_row + fx.Int64(h * out_head_stride + w * 128 + 4 * g)) * 2
         res = [
             Vec.from_elements([f32(Vec(fin[2 + dc])[k]) * inv_l for k in range(4)], fx.Float32)
             for dc in range(8)
         ]
-        if h_ok:
+        if item_ok & h_ok:
             for dc in range_constexpr(8):
                 store_global(o_lane + 32 * dc, res[dc].to(fx.BFloat16), 8)
         if const_expr(return_lse):
             lse2 = f32(fin[0]) + log2(has_l.select(l_tot, fx.Float32(1.0))) - P_SHIFT
             lse = has_l.select(lse2 * LN2, fx.Float32(float("-inf")))
-            lse_at = lse_base + (fx.Int64(qi) * fx.Int64(lse_row_stride) + fx.Int64(t)) * 4
-            if h_ok & (w == 0) & (g == 0):
+            lse_at = lse_base + (fx.Int64(out_i) * fx.Int64(lse_row_stride) + fx.Int64(h)) * 4
+            if item_ok & h_ok & (w == 0) & (g == 0):
                 store_global(lse_at, lse, 4)
 
     @flyc.jit
@@ -720,6 +759,8 @@ def build_launcher(config: Config):
         n_q: fx.Int32,
         nnz: fx.Int32,
         kv_rows: fx.Int32,
+        num_splits: fx.Int32,
+        head_groups: fx.Int32,
         q_row_stride: fx.Int32,
         q_head_stride: fx.Int32,
         out_row_stride: fx.Int32,
@@ -738,13 +779,15 @@ def build_launcher(config: Config):
             n_q,
             nnz,
             kv_rows,
+            num_splits,
+            head_groups,
             q_row_stride,
             q_head_stride,
             out_row_stride,
             out_head_stride,
             lse_row_stride,
             sm_scale,
-        ).launch(grid=(n_q, 1, 1), block=(THREADS, 1, 1), stream=stream)
+        ).launch(grid=(_grid_x(n_q, num_splits, head_groups), 1, 1), block=(THREADS, 1, 1), stream=stream)
 
     launch.compile_hints = {"waves_per_eu": WAVES_PER_EU, "fast_fp_math": False}
     return launch
@@ -760,5 +803,5 @@ def compile_config(config: Config):
     indptr = torch.zeros(n_q + 1, dtype=torch.int32)
     out = torch.zeros(n_q * h * 512, dtype=torch.bfloat16)
     lse = torch.zeros(n_q * h, dtype=torch.float32)
-    scalars = (n_q, 8, 4, h * Q_DIM, Q_DIM, h * 512, 512, h, 576**-0.5)
+    scalars = (n_q, 8, 4, 1, 1, h * Q_DIM, Q_DIM, h * 512, 512, h, 576**-0.5)
     return flyc.compile(build_launcher(config), q, kv, idx, indptr, out, lse, *scalars)
