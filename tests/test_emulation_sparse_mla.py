@@ -35,6 +35,7 @@ lane-address helpers with the assumed MFMA / ``ds_read_b64_tr_b8`` semantics and
 data movement computes exactly the scores and PV that the record bytes define.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -104,11 +105,29 @@ def row_keys(case, r: int):
     return k, v, codes
 
 
-def expected(case):
-    """float64 reference (kernel's V clamp) and the emulation's error bounds (module docstring).
+def split_case(case, splits: int):
+    """The case with each (row, split) of its keys as a row of its own (row r split s: row
+    r S + s, q repeated), the splits as the kernel cuts them (``E.split_range``)."""
+    idx, indptr = np.asarray(case.idx, np.int32), np.asarray(case.indptr, np.int64)
+    pieces = [np.zeros(0, np.int32)]
+    for r in range(case.q.shape[0]):
+        b, e = np.clip(indptr[r : r + 2], 0, len(idx))
+        for sp in range(splits):
+            lo, hi = (int(x) for x in E.split_range(max(e - b, 0), sp, splits))
+            pieces.append(idx[b + lo : b + hi])
+    indptr = np.cumsum([0, *map(len, pieces[1:])]).astype(np.int32)
+    q = jnp.repeat(case.q, splits, axis=0)
+    return dataclasses.replace(case, q=q, idx=np.concatenate(pieces), indptr=indptr)
+
+
+def expected(case, splits: int = 1):
+    """float64 reference (kernel's V clamp) and the emulation's error bounds (module docstring;
+    ``splits`` > 1: ``expected_split``).
 
     Returns ref [n_q, H, 512], ref_lse [n_q, H], tol [n_q, H, 512], lse_tol [n_q, H].
     """
+    if splits > 1:
+        return expected_split(case, splits)
     q = O.to_f64(case.q)
     n_q, h, _ = q.shape
     sm = _sm(case)
@@ -146,6 +165,37 @@ def expected(case):
             + 2.0**-22 * (np.abs(ref_lse[r]) + score_abs + 32)
         )
     return ref, ref_lse, tol, lse_tol
+
+
+def expected_split(case, splits: int):
+    """The bound of ``splits`` partials merged by the combine: each (row, split) partial lies
+    within its own bound (``expected`` of ``split_case``) of the exact partial (o_s, lse_s), and
+    the exact merge of exact partials, ``sum_s W_s o_s`` with ``W_s = exp(lse_s - lse)``, is the
+    reference. LSEs off by at most ``D`` (per head, over the splits) move each normalized weight
+    by a factor within ``exp(+-2D)``, so before the combine's rounding the output errs by
+    ``exp(2D) sum_s W_s tol_s + (exp(2D) - 1 + c) sum_s W_s |o_s|``, c the combine's f32
+    arithmetic (its exp2 ``(2 + 0.7 |x|) 2^-24`` on ``x = (lse_s - max lse) log2 e``, twice:
+    weight and normalization, and S + 2 roundings of the sums); then one bf16 rounding
+    (``2^-8``). LSE: log-sum-exp moves by at most D, plus ``2^-20 (|lse| + 1)`` of its f32 steps.
+    """
+    ref, ref_lse, _, _ = expected(case)
+    n_q, h = ref_lse.shape
+    p_ref, p_lse, p_tol, p_lse_tol = expected(split_case(case, splits))
+    p_ref, p_tol = (x.reshape(n_q, splits, h, 512) for x in (p_ref, p_tol))
+    p_lse, p_lse_tol = (x.reshape(n_q, splits, h) for x in (p_lse, p_lse_tol))
+    live = np.isfinite(p_lse)
+    lse0 = np.where(np.isfinite(ref_lse), ref_lse, 0.0)[:, None]
+    w = np.where(live, np.exp(np.where(live, p_lse, 0.0) - lse0), 0.0)  # [n_q, S, H]
+    d = np.max(np.where(live, p_lse_tol, 0.0), axis=1)  # [n_q, H]
+    top = np.max(np.where(live, p_lse, -np.inf), axis=1, keepdims=True)
+    x = np.where(live, (p_lse - np.where(np.isfinite(top), top, 0.0)) * np.log2(np.e), 0.0)
+    comb = (2 * (4 + 0.7 * np.abs(x).max(axis=1)) + splits + 2) * EPS  # [n_q, H]
+    grow = np.exp(2 * d)[..., None]
+    pre = grow * np.einsum("rsh,rshd->rhd", w, p_tol) + (grow - 1 + comb[..., None]) * np.einsum(
+        "rsh,rshd->rhd", w, np.abs(p_ref)
+    )
+    tol = 2.0**-8 * np.abs(ref) + (1 + 2.0**-8) * pre
+    return ref, ref_lse, tol, d + 2.0**-20 * (np.abs(lse0[:, 0]) + 1)
 
 
 def check(out, lse, ref, ref_lse, tol, lse_tol, what=""):

@@ -61,9 +61,7 @@ from jax_sparse_mla.reference.sparse_mla import no_keys
 
 TILE = 128  # keys per tile, as in the kernel
 SPLIT_KEYS = 64  # a key split is whole 64-position chunks of its row
-P_SHIFT = 8.0  # P = exp2(s - m + 8) <= 2^8
-NEG_BIG = -1.0e30  # masked score
-M_FLOOR = -1.0e20  # while every key so far is masked, exp2(NEG_BIG - M_FLOOR) = 0
+P_SHIFT = 8.0  # P = 2^8 exp2(...) <= 2^8; the LSE takes the 8 off again
 SCALE_CAP_BITS = 0x43000000  # f32 bits of 2^7: V scales are clamped to [bits 1, 2^7]
 LO_SHIFT = 5  # lo = e4m3(32 (x - hi)), E8M0 scale s_hi - 5
 MIN_HI_SCALE = 6  # so that the lo scale s_hi - 5 >= 1
@@ -174,7 +172,13 @@ def _attend(q, records, idx, start, length, sm_scale) -> tuple[jax.Array, jax.Ar
     q_hi_scale = pow2(s_hi - 127)
     q_lo_scale = pow2(s_hi - 127 - LO_SHIFT)
     q_rope = q[..., LATENT_DIM:].astype(jnp.float32)
-    c_log2 = jnp.asarray(sm_scale, jnp.float32) * LOG2E
+    sm_scale = jnp.asarray(sm_scale, jnp.float32)
+    sign = jnp.where(sm_scale < 0, -1.0, 1.0).astype(jnp.float32)
+    scale = jnp.abs(sm_scale)
+
+    def weight(t, m_ref):
+        """exp2(((t - m_ref) |sm_scale|) log2 e), 1 where t = m_ref (the hardware's exp2(0))."""
+        return jnp.where(t == m_ref, 1.0, jnp.exp2(((t - m_ref) * scale) * LOG2E))
 
     offsets = jnp.arange(TILE, dtype=jnp.int32)
 
@@ -202,12 +206,12 @@ def _attend(q, records, idx, start, length, sm_scale) -> tuple[jax.Array, jax.Ar
         scores = jnp.sum(blocks, axis=-1) + jnp.einsum(
             "rhd,rtd->rht", q_rope, rope, precision=_HIGHEST
         )
-        s = jnp.where(valid[:, None, :], scores * c_log2, NEG_BIG)  # [n_q, H, T], log2 units
+        s = jnp.where(valid[:, None, :], scores * sign, -jnp.inf)  # [n_q, H, T]
 
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        alpha = jnp.where(m_new == m, 1.0, jnp.exp2(m - m_new))
-        m_ref = jnp.maximum(m_new - P_SHIFT, M_FLOOR)
-        p = jnp.exp2(s - m_ref[..., None])
+        m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.where(m == -jnp.inf, 0.0, weight(m, m_ref))
+        p = jnp.where(s == -jnp.inf, 0.0, weight(s, m_ref[..., None]) * 2.0**P_SHIFT)
         l_new = l_sum * alpha + jnp.sum(p, axis=-1)
         sv = jax.lax.bitcast_convert_type(jnp.clip(scale_bits, 1, SCALE_CAP_BITS), jnp.float32)
         sv = jnp.where(valid[..., None], sv, 0.0)[:, None]  # [n_q, 1, T, 4]
@@ -216,7 +220,7 @@ def _attend(q, records, idx, start, length, sm_scale) -> tuple[jax.Array, jax.Ar
         return m_new, l_new, o * alpha[..., None, None] + pv
 
     init = (
-        jnp.full((n_q, h), NEG_BIG, jnp.float32),
+        jnp.full((n_q, h), -jnp.inf, jnp.float32),
         jnp.zeros((n_q, h), jnp.float32),
         jnp.zeros((n_q, h, NUM_SCALES, SCALE_BLOCK), jnp.float32),
     )
@@ -227,5 +231,6 @@ def _attend(q, records, idx, start, length, sm_scale) -> tuple[jax.Array, jax.Ar
     l_safe = jnp.where(has_keys, l_sum, 1.0)
     inv_l = jnp.where(has_keys, 1.0 / l_safe, 0.0)
     out = (o * inv_l[..., None, None]).reshape(n_q, h, LATENT_DIM).astype(jnp.bfloat16)
-    lse = jnp.where(has_keys, (m + jnp.log2(l_safe) - P_SHIFT) * LN2, -jnp.inf)
+    m_log2 = jnp.where(has_keys, m * scale * LOG2E, 0.0)
+    lse = jnp.where(has_keys, (m_log2 + jnp.log2(l_safe) - P_SHIFT) * LN2, -jnp.inf)
     return out, lse

@@ -152,9 +152,9 @@ LDS_SINK = LDS_MAX + MAX_HEADS * 4 * 4  # P stores of heads >= H
 LDS_P = LDS_SINK + 32  # f32 P [wave][lane group][H][8 tokens], then the latent tile
 LATENT_BYTES = 4 * TILE * 128  # 4 column blocks of [128 tokens][128 B]
 
-P_SHIFT = 8.0  # P = exp2(s - m + 8) <= 2^8
-NEG_BIG = -1.0e30  # masked score
-M_FLOOR = -1.0e20  # exp2(NEG_BIG - M_FLOOR) = 0 while every key so far is masked
+P_SHIFT = 8.0  # P = 2^8 exp2(...) <= 2^8, and the LSE takes the 8 off again
+P_SCALE = 2.0**P_SHIFT
+NEG_INF = float("-inf")  # masked score
 SCALE_CAP_BITS = 0x43000000  # f32 bits of 2^7
 WAVES_PER_EU = 2
 
@@ -195,6 +195,11 @@ CONFIGS: tuple[Config, ...] = tuple(
 # ---------------------------------------------------------------------------------------------
 # Small device helpers (straight-line code; control flow lives in the kernel body)
 # ---------------------------------------------------------------------------------------------
+
+
+def _weight(t, m_ref, scale) -> fx.Float32:
+    """``exp2(((t - m_ref) |sm_scale|) log2 e)``: finite for every finite sm_scale."""
+    return exp2(((t - m_ref) * scale) * LOG2E)
 
 
 def _e8m0_scale(amax) -> tuple:
@@ -454,7 +459,9 @@ def build_launcher(config: Config):
         split = uniform(item - row_item * num_splits)
         qi = uniform(n_q - 1 - row_item)  # long rows first
         out_i = qi * num_splits + split  # row of out / lse: [n_q, S, ...]
-        c_log2 = sm_scale * LOG2E
+        # scores t = sign(sm_scale) S; scaled by |sm_scale| log2 e only after the max is off
+        sign = (sm_scale < 0.0).select(fx.Float32(-1.0), fx.Float32(1.0))
+        scale = abs(sm_scale)
 
         q_base, kv_base, idx_base = base_address(Q), base_address(KV), base_address(IDX)
         ip_base, out_base, lse_base = base_address(IPTR), base_address(OUT), base_address(LSE)
@@ -603,7 +610,7 @@ def build_launcher(config: Config):
         dma(keys(load_raw(dma_pos(tile0)), dma_pos(tile0)))
         side0 = side_loads(keys_q0)
         tile1 = fx.Int32(TILE)
-        state = [fx.Float32(NEG_BIG), fx.Float32(0.0)]
+        state = [fx.Float32(NEG_INF), fx.Float32(0.0)]
         state += [Vec.filled(4, 0.0, fx.Float32) for _ in range(8)]
         state += load_raw(qk_pos(tile1)) + load_raw(dma_pos(tile1)) + side0 + keys_q0
         init = [as_ir(x) for x in state]
@@ -658,12 +665,12 @@ def build_launcher(config: Config):
                 sw = (keys_q[s] >= 0).select(sw, fx.Int32(0))
                 store_lds(ks_wr + 64 * s, sw, 4)
             sl = []
-            tmax = fx.Float32(NEG_BIG)
+            tmax = fx.Float32(NEG_INF)
             for s in range_constexpr(2):
                 live = load_lds(mask_rd + 64 * s, 4)
                 for r in range_constexpr(4):
-                    x = f32(sacc[s][r]) * c_log2
-                    x = (i32(live[r]) != 0).select(x, fx.Float32(NEG_BIG))
+                    x = f32(sacc[s][r]) * sign
+                    x = (i32(live[r]) != 0).select(x, fx.Float32(NEG_INF))
                     sl.append(x)
                     tmax = fmax(tmax, x)
             store_lds(mx_wr, group_max(tmax), 4)
@@ -675,9 +682,9 @@ def build_launcher(config: Config):
             m_new = m_old
             for k in range_constexpr(4):
                 m_new = fmax(m_new, mx[k])
-            alpha = exp2(m_old - m_new)
-            m_ref = fmax(m_new - P_SHIFT, fx.Float32(M_FLOOR))
-            pl = [exp2(x - m_ref) for x in sl]
+            m_ref = (m_new == NEG_INF).select(fx.Float32(0.0), m_new)
+            alpha = (m_old == NEG_INF).select(fx.Float32(0.0), _weight(m_old, m_ref, scale))
+            pl = [(x == NEG_INF).select(fx.Float32(0.0), _weight(x, m_ref, scale) * P_SCALE) for x in sl]
             psum = fx.Float32(0.0)
             for x in pl:
                 psum = psum + x
@@ -742,7 +749,8 @@ def build_launcher(config: Config):
             for dc in range_constexpr(8):
                 store_global(o_lane + 32 * dc, res[dc].to(fx.BFloat16), 8)
         if const_expr(return_lse):
-            lse2 = f32(fin[0]) + log2(has_l.select(l_tot, fx.Float32(1.0))) - P_SHIFT
+            m_fin = (f32(fin[0]) * scale) * LOG2E
+            lse2 = m_fin + log2(has_l.select(l_tot, fx.Float32(1.0))) - P_SHIFT
             lse = has_l.select(lse2 * LN2, fx.Float32(float("-inf")))
             lse_at = lse_base + (fx.Int64(out_i) * fx.Int64(lse_row_stride) + fx.Int64(h)) * 4
             if item_ok & h_ok & (w == 0) & (g == 0):
