@@ -146,8 +146,8 @@ def expected(case, splits: int = 1):
         ref[r], ref_lse[r] = out, (smax + np.log(w.sum(axis=-1, keepdims=True)))[:, 0]
         l_shift = 2.0**8 * w.sum(axis=-1)  # [H]
         vmax = np.abs(v).max()
-        score_abs = float(np.max(sm * (np.abs(q[r]) @ np.abs(k).T)))
-        d_s = sm * (q_split_error(q[r]) @ np.abs(k).T) + 12 * EPS * score_abs  # [H, n]
+        score_abs = float(np.max(abs(sm) * (np.abs(q[r]) @ np.abs(k).T)))
+        d_s = abs(sm) * (q_split_error(q[r]) @ np.abs(k).T) + 12 * EPS * score_abs  # [H, n]
         e_k = (4 + np.abs((s - smax) * np.log2(np.e) + 8)) * EPS
         f32 = O.attn_atol(n, vmax, score_abs) + 8 * EPS * (n // 128 + 2) * vmax
         for hh in range(h):
@@ -578,3 +578,60 @@ def test_kernel_layout():
                 acc = acc + _mfma(va, pp[kk], KPOS_16)
             dims = 128 * w + 16 * dc + 4 * g[:, None] + np.arange(4)
             np.testing.assert_allclose(acc, want_o[t[:, None], dims], rtol=1e-12, atol=0)
+
+
+def test_work_items_and_splits():
+    """The kernel's block-id map and key splits (its own helpers on Python ints): each (row
+    item, head group) once, the G head groups of an item on one XCD (block id mod 8) within one
+    window of 8 G block ids; the splits tile a row in order, whole 64-key chunks but the last,
+    as the emulation's ``split_range``."""
+    K = pytest.importorskip("jax_sparse_mla.kernels.gfx950.sparse_mla")
+    for n_items, groups in ((1, 8), (13, 3), (64, 1)):
+        grid = K._grid_x(n_items, 1, groups)
+        assert grid == 8 * groups * -(-n_items // 8)
+        seen = {}
+        for bid in range(grid):
+            item, hg = K._work_item(bid, groups)
+            seen.setdefault(item, []).append((hg, bid))
+        assert sorted(seen) == list(range(grid // groups))
+        for item, pairs in seen.items():
+            assert sorted(hg for hg, _ in pairs) == list(range(groups))
+            assert {bid % 8 for _, bid in pairs} == {item % 8}
+            assert max(b for _, b in pairs) - min(b for _, b in pairs) < 8 * groups
+    for length in (0, 1, 63, 64, 65, 300, 2100):
+        for splits in (1, 2, 8, 33):
+            ranges = [K._split_range(length, s, splits) for s in range(splits)]
+            assert ranges == [tuple(map(int, E.split_range(length, s, splits))) for s in range(splits)]
+            assert ranges[0][0] == 0 and ranges[-1][1] == length
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+            assert all((hi - lo) % 64 == 0 for lo, hi in ranges if hi < length)
+
+
+@pytest.mark.parametrize("splits", [3, 9])
+def test_splits_merged_by_the_combine(splits):
+    """S key splits per row (empty ones for the short rows), their bf16 partials merged with the
+    combine's arithmetic, against the float64 oracle within ``expected_split``."""
+    case = C.sparse_case(
+        7, n_q=6, h=16, n_rec=300, max_len=8, long_rows={0: 1, 1: 700, 2: 129, 3: 64}
+    )
+    fn = functools.partial(E.sparse_mla_gfx950_emulation, num_splits=splits)
+    ref, ref_lse, tol, lse_tol = expected(case, splits)
+    out, lse = run(case, fn)
+    print(f"{splits} splits: worst ratio {check(out, lse, ref, ref_lse, tol, lse_tol):.3g}")
+    one, _ = run(case)  # the partials' roundings change the result, within the bounds
+    assert not np.array_equal(out, one)
+
+
+@pytest.mark.parametrize("sm_scale", [0.0, -0.05, 1e37])
+def test_any_finite_scale(sm_scale):
+    """sm_scale 0 (every live key weighs alike), negative, and one whose scaled scores overflow
+    float32 (|q·K| ~ 10): the scale multiplies the scores only after their running max is
+    subtracted, so each stays finite."""
+    case = C.sparse_case(5, n_q=6, h=16, sm_scale=sm_scale, max_len=60)
+    if sm_scale == 1e37:  # one-hot weights: the oracle's argmax, not the bound's terms
+        out, lse = run(case)
+        assert np.isfinite(out).all() and not np.isnan(lse).any()
+        C_ref = O.sparse_mla(case.q, case.kv, case.idx, case.indptr, sm_scale)[0]
+        np.testing.assert_allclose(out, C_ref, rtol=2.0**-7, atol=2.0**-7 * np.abs(C_ref).max())
+        return
+    print(f"sm {sm_scale}: worst ratio {check_case(padded(case), f'sm {sm_scale}'):.3g}")
