@@ -8,8 +8,12 @@ module's docstring (``emulation/bounds.py``). The cases are chosen so that every
 the configuration runs:
 
 * sparse_mla (each head count 1..16, with and without lse): rows of 0, 1, 300 and 2100 keys
-  (the 256-entry index scan makes 9 passes) and an all -1 row; a tenth of the entries -1, a
-  fifth other negatives or past the last record.
+  and an all -1 row; a tenth of the entries -1, a fifth other negatives or past the last
+  record. With the LSE (``_l1``) the call runs S = 8 key splits per row (on 256 CUs; splits
+  without keys for the short rows) and the combine on their partials; without it (``_l0``, the
+  configurations only S = 1 launches) 36 more empty rows keep the mean row at <= 64 keys, so
+  S = 1 and the 2100-key row runs 17 tiles and 9 passes of the 256-entry index scan. The h16
+  cases run 32 (``_l1``) and 48 (``_l0``) heads: 2 and 3 head groups in one launch.
 * mla_decode partials (qlen 1, 2, 4; 20 heads, so the last 16-row group is partial): an empty
   request, one whose scores rise along its keys and one whose scores fall (1000 and 900 keys,
   2 splits: 4 blocks of 128 keys per split, so the second LDS slot, its prefetch and the

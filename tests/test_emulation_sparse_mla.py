@@ -601,9 +601,11 @@ def test_work_items_and_splits():
     for length in (0, 1, 63, 64, 65, 300, 2100):
         for splits in (1, 2, 8, 33):
             ranges = [K._split_range(length, s, splits) for s in range(splits)]
-            assert ranges == [tuple(map(int, E.split_range(length, s, splits))) for s in range(splits)]
+            assert ranges == [
+                tuple(map(int, E.split_range(length, s, splits))) for s in range(splits)
+            ]
             assert ranges[0][0] == 0 and ranges[-1][1] == length
-            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
             assert all((hi - lo) % 64 == 0 for lo, hi in ranges if hi < length)
 
 

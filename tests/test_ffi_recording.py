@@ -319,7 +319,10 @@ def check_sparse_launches(r, n_q, h, rows, nnz, splits, lse):
     for event, (h0, group, groups) in zip(events, plan, strict=True):
         l_flag = int(lse or splits > 1)
         check_launch(
-            event, f"jsm_sparse_mla_h{group}_l{l_flag}", sparse_grid(n_q, splits, groups), (256, 1, 1)
+            event,
+            f"jsm_sparse_mla_h{group}_l{l_flag}",
+            sparse_grid(n_q, splits, groups),
+            (256, 1, 1),
         )
         a = packed(event)
         assert a["Q:p"] == r["pointers"]["q"] + h0 * 576 * 2

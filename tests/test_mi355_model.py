@@ -149,7 +149,10 @@ def test_report_prints_the_model_section(capsys):
     out = capsys.readouterr().out
     assert "MI355X model (256 CUs" in out
     assert "jsm_sparse_mla_h16_l1 256 76160 2 2 vgpr" in " ".join(out.split())
-    assert "| sparse_mla | n_q=1 H=128 topk=2048 | 1 | 256 | 32 | 32 | 10.75 | 1.34 | 8.00 | 8 |" in out
+    assert (
+        "| sparse_mla | n_q=1 H=128 topk=2048 | 1 | 256 | 32 | 32 | 10.75 | 1.34 | 8.00 | 8 |"
+        in out
+    )
     assert "| mla_decode | B=4 ctx=8192 H=128 qlen=1 |" in out
     assert f"of {len(model.DECODE_SHAPES)} decode shapes miss a target" in out
 

@@ -69,7 +69,9 @@ def test_each_case_launches_its_own_configuration(plan_launches):
 
 def sparse_cases(plan_launches, lse: bool) -> list[dict]:
     return [
-        c for c in plan_launches if c["symbol"].startswith("jsm_sparse_mla") and c["symbol"].endswith(f"_l{int(lse)}")
+        c
+        for c in plan_launches
+        if c["symbol"].startswith("jsm_sparse_mla") and c["symbol"].endswith(f"_l{int(lse)}")
     ]
 
 
@@ -91,7 +93,9 @@ def test_sparse_cases_split_and_group(plan_launches, lse):
         lengths = np.diff(np.asarray(indptr))
         assert max(lengths) == 2100
         chunk = 64 * -(-lengths // (64 * splits))
-        keys = np.minimum(np.maximum(lengths[:, None] - chunk[:, None] * np.arange(splits), 0), chunk[:, None])
+        keys = np.minimum(
+            np.maximum(lengths[:, None] - chunk[:, None] * np.arange(splits), 0), chunk[:, None]
+        )
         per_row = (keys > 0).sum(axis=1)
         assert (keys.sum(axis=1) == lengths).all()
         if lse:
