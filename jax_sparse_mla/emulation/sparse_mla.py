@@ -1,12 +1,14 @@
 """jax-native emulation of the gfx950 sparse_mla kernel's arithmetic (``gfx950_emulation``).
 
-It reproduces, in jnp and for all rows at once (``lax.fori_loop`` over 128-token tiles, so
-memory is O(n_q x 128 x 512), never O(n_q x longest row x 512)), what
-``jax_sparse_mla/kernels/gfx950/sparse_mla.py`` computes:
+It reproduces, in jnp and for all (row, split) pieces at once (``lax.fori_loop`` over 128-token
+tiles, so memory is O(n_q S x 128 x 512), never O(n_q x longest row x 512)), what
+``jax_sparse_mla/kernels/gfx950/sparse_mla.py`` computes, and with S > 1 splits the combine
+kernel's merge of its partials (``emulation.mla_decode.merge_attn_states_gfx950_emulation``):
 
 * Rows: positions ``[b, e)`` with ``b, e = clamp(indptr[r], indptr[r + 1], 0, nnz)``, ``e >= b``;
-  128-position tiles from ``b``; a key is masked (score -1e30, never read) when its entry is
-  outside ``[0, kv rows)``. (The kernel skips the tiles after the last unmasked entry: all-masked
+  split s of S: ``split_range`` (chunks of ``64 ceil((e - b) / (64 S))``); 128-position tiles
+  from the split's start; a key is masked (score -inf, never read) when its entry is outside
+  ``[0, kv rows)``. (The kernel skips the tiles after the last unmasked entry: all-masked
   tiles, which change nothing: the max does not move, so alpha = 1 and P = 0.)
 * Q per (row, head, 128-dim latent block): ``s_hi = max(e - 7, 6)`` with ``e`` the biased
   exponent of the block's ``max|q|``; ``x = q 2^(127 - s_hi)`` (built from the bf16 bits, exact;
@@ -14,13 +16,17 @@ memory is O(n_q x 128 x 512), never O(n_q x longest row x 512)), what
   ``lo = e4m3(32 (x - hi))`` (RNE e4m3fn codes); the lo block scale is ``s_hi - 5``.
 * Scores: ``S = sum_j (hi_j·c_j 2^(s_hi - 127) + lo_j·c_j 2^(s_hi - 132)) 2^(E_j - 127)
   + q_rope·k_rope`` with ``c_j`` the record's e4m3 codes of block j and ``E_j`` the exponent bits
-  of its f32 scale (f32 dots); ``s = S * (f32(sm_scale) * f32(log2 e))``, -1e30 when masked.
-* Per tile: ``m' = max(m, max s)``, ``alpha = exp2(m - m')`` (1 when ``m' = m``),
-  ``P = exp2(s - max(m' - 8, -1e20))`` (f32), ``l' = l alpha + sum P``,
+  of its f32 scale (f32 dots); ``t = S sign`` (``sign = -1`` for ``sm_scale < 0``, else 1),
+  -inf when masked.
+* Per tile, ``w(x) = exp2(((x - m_ref) |sm_scale|) f32(log2 e))`` (1 when ``x = m_ref``):
+  ``m' = max(m, max t)`` (``m = -inf`` at first), ``m_ref = m'`` (0 while ``m' = -inf``),
+  ``alpha = w(m)`` (0 for ``m = -inf``), ``P = w(t) 2^8`` (0 for ``t = -inf``),
+  ``l' = l alpha + sum P``,
   ``P' = f16(P * sv)`` with ``sv`` the f32 block scale clamped to bits [1, 2^7] (0 when masked),
   ``O' = O alpha + P'·codes`` (f32; the codes are exact in f16).
-* ``out = bf16(O * (1 / l))``, 0 when ``l == 0``; ``lse = (m + log2 l - 8) ln 2``, -inf when
-  ``l == 0`` (a NaN record that a valid key reaches gives NaN, as in the kernel).
+* ``out = bf16(O * (1 / l))``, 0 when ``l == 0``; ``lse = ((m |sm_scale|) log2 e + log2 l - 8)
+  ln 2``, -inf when ``l == 0`` (a NaN record that a valid key reaches gives NaN, as in the
+  kernel). Any finite sm_scale gives finite weights.
 
 Not modeled: the order and internal precision of the MFMA accumulations (QK scaled fp8 and bf16,
 PV f16; emulated as f32 dots), the order of the partial sums of ``l`` (per lane, lane groups,
@@ -35,8 +41,10 @@ may land on the neighbouring f16 (one f16 ulp of that key, ``<= 2^-10 P'`` or ``
 emulation should therefore allow, per output element,
 ``|out_k - out_e| <= 2^-7 |out_e| + 2^-10 max_k |V_k| + 2^-23 n_keys max|code| / 256 + 2^-18
 score_abs max|V|`` (one bf16 ulp, every P' one f16 ulp off, f32-level score differences
-``score_abs = sm_scale max_k sum |q||k|``), and
-``|lse_k - lse_e| <= 2^-20 (|lse_e| + score_abs) + 2^-20``.
+``score_abs = |sm_scale| max_k sum |q||k|``), and
+``|lse_k - lse_e| <= 2^-20 (|lse_e| + score_abs) + 2^-20``, per (row, split) over the split's
+keys; with S > 1 the combine carries those bounds to the result (``emulation/bounds.py``,
+``sparse_mla_bound``).
 """
 
 from __future__ import annotations

@@ -140,7 +140,7 @@ class Estimate:
 
     op: str
     shape: str
-    launches: int  # launches of the main kernel (sparse_mla: one per group of 16 heads)
+    launches: int  # launches of the main kernel (sparse_mla: the full head groups, a remainder)
     workgroups: int  # workgroups per launch
     work_units: int  # 64-key pieces of the rows' keys: the most workgroups that have work
     splits: int  # key splits per row / request (UltraQuant: partitions)
