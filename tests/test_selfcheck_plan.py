@@ -99,7 +99,7 @@ def test_sparse_cases_split_and_group(plan_launches, lse):
         per_row = (keys > 0).sum(axis=1)
         assert (keys.sum(axis=1) == lengths).all()
         if lse:
-            assert per_row.max() == splits and per_row[1] == 1  # all splits busy; 1 of 8
+            assert per_row.max() >= 7 and per_row[1] == 1 and (keys == 0).any()  # empty splits
 
 
 @pytest.mark.parametrize("qlen", configs.MLA_DECODE_QLENS)

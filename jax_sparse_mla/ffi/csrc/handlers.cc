@@ -213,7 +213,6 @@ Error SparseMla(void* stream, int32_t device, AnyBuffer q, AnyBuffer kv, AnyBuff
   JSM_CHECK(Limit(T, "n_q * S", n_q * splits, kInt32Max - 7));
   JSM_CHECK(Limit(T, "nnz", nnz, (int64_t{1} << 30) - 1));  // a row holds < 2^30 entries
   JSM_CHECK(Limit(T, "q elements per row", heads * kKvDim, kInt32Max));
-  JSM_CHECK(Limit(T, "out elements per row", splits * heads * kLatentDim, kInt32Max));
   JSM_CHECK(CheckGrid(T, SparseMlaGrid(n_q, splits, std::max<int64_t>(full, 1))));
   const int64_t kv_rows = std::min(kv.dimensions()[0], kInt32Max);  // idx cannot reach further
   // (first head, heads per workgroup, head groups) of each launch
@@ -463,10 +462,10 @@ Error DsReadTrProbe(void* stream, int32_t device, AnyBuffer lds, AnyBuffer addrs
 #ifdef JSM_RECORDING
 // For the CPU tests: `target`'s launch grid (x, y, z workgroups, threads per workgroup) for
 // its quantities `q` and the handler's grid check (no handler call reaches the HSA limit with
-// less than 8 GiB of buffers). q: jsm_sparse_mla {n_q, S, head groups}; jsm_mla_decode_partials {B, H, S, qlen};
-// jsm_mla_decode_combine {n, H}; jsm_ultraquant_partials {B, Hk, P}; jsm_ultraquant_reduce
-// {B, Hq}. Writes the check's message (empty when it passes) to `message`; returns -1 for an
-// unknown target, else 0.
+// less than 8 GiB of buffers). q: jsm_sparse_mla {n_q, S, head groups};
+// jsm_mla_decode_partials {B, H, S, qlen}; jsm_mla_decode_combine {n, H};
+// jsm_ultraquant_partials {B, Hk, P}; jsm_ultraquant_reduce {B, Hq}. Writes the check's
+// message (empty when it passes) to `message`; returns -1 for an unknown target, else 0.
 extern "C" __attribute__((visibility("default"))) int jsm_record_grid(
     const char* target, const int64_t* q, int64_t* grid, char* message, size_t capacity) {
   const std::string t(target);
