@@ -8,8 +8,12 @@ module's docstring (``emulation/bounds.py``). The cases are chosen so that every
 the configuration runs:
 
 * sparse_mla (each head count 1..16, with and without lse): rows of 0, 1, 300 and 2100 keys
-  (the 256-entry index scan makes 9 passes) and an all -1 row; a tenth of the entries -1, a
-  fifth other negatives or past the last record.
+  and an all -1 row; a tenth of the entries -1, a fifth other negatives or past the last
+  record. With the LSE (``_l1``) the call runs S = 8 key splits per row (on 256 CUs; splits
+  without keys for the short rows) and the combine on their partials; without it (``_l0``, the
+  configurations only S = 1 launches) 36 more empty rows keep the mean row at <= 64 keys, so
+  S = 1 and the 2100-key row runs 17 tiles and 9 passes of the 256-entry index scan. The h16
+  cases run 32 (``_l1``) and 48 (``_l0``) heads: 2 and 3 head groups in one launch.
 * mla_decode partials (qlen 1, 2, 4; 20 heads, so the last 16-row group is partial): an empty
   request, one whose scores rise along its keys and one whose scores fall (1000 and 900 keys,
   2 splits: 4 blocks of 128 keys per split, so the second LDS slot, its prefetch and the
@@ -49,8 +53,9 @@ import numpy as np
 
 from jax_sparse_mla import _platform, _verdicts
 from jax_sparse_mla.emulation import bounds as B
+from jax_sparse_mla.emulation.sparse_mla import sparse_mla_partials_gfx950_emulation
 from jax_sparse_mla.emulation.ultraquant import ultraquant_reduce_gfx950_emulation
-from jax_sparse_mla.ffi.calls import ultraquant_reduce_flydsl
+from jax_sparse_mla.ffi.calls import default_sparse_splits, ultraquant_reduce_flydsl
 from jax_sparse_mla.formats import KV_DIM, UQ_HEAD_DIM, pack_fp8_ds_mla, ultraquant_store
 from jax_sparse_mla.kernels.gfx950 import configs
 from jax_sparse_mla.mla_decode import merge_attn_states, mla_decode_partials
@@ -102,19 +107,31 @@ def _jit(fn, **static):
 # ---------------------------------------------------------------------------------------------
 
 
-def _sparse(seed: int, heads: int, return_lse: bool):
-    """Rows of 0, 1, 300 and 2100 keys into 512 records and an all -1 row (module docstring)."""
-    r, rows, lengths = np.random.default_rng(seed), 512, (0, 1, 300, 2100, 40)
+SPARSE_LENGTHS = (0, 1, 300, 2100, 40)  # keys per row; the last row all -1
+SPARSE_S1_EMPTY_ROWS = 36  # rows without keys that bring the mean row to <= 64 keys: S = 1
+
+
+def sparse_inputs(seed: int, heads: int, return_lse: bool):
+    """(q, kv, idx, indptr): rows of 0, 1, 300 and 2100 keys into 512 records and an all -1
+    row (module docstring); without the LSE 36 more empty rows, so that the mean row holds
+    <= 64 entries and the kernel writes its output itself (S = 1); with it S > 1 splits."""
+    r, rows = np.random.default_rng(seed), 512
+    lengths = SPARSE_LENGTHS + (() if return_lse else (0,) * SPARSE_S1_EMPTY_ROWS)
     latent = r.standard_normal((rows, 512)) * 2.0 ** r.integers(-3, 4, (rows, 1))
     kv = pack_fp8_ds_mla(
         jnp.asarray(latent, jnp.float32), jnp.asarray(r.standard_normal((rows, 64)), jnp.float32)
     )
     idx = r.integers(-rows // 8, rows + rows // 8, sum(lengths))
     idx[r.random(len(idx)) < 0.1] = -1
-    idx[-lengths[-1] :] = -1
+    idx[-lengths[4] :] = -1
     idx, indptr = jnp.asarray(idx, jnp.int32), jnp.asarray(np.cumsum([0, *lengths]), jnp.int32)
-    q = _bf16(r, (len(lengths), heads, KV_DIM))
+    return _bf16(r, (len(lengths), heads, KV_DIM)), kv, idx, indptr
+
+
+def _sparse(seed: int, heads: int, return_lse: bool):
+    q, kv, idx, indptr = sparse_inputs(seed, heads, return_lse)
     sm_scale = KV_DIM**-0.5
+    splits = default_sparse_splits(q, idx)
 
     def run(implementation, lse=return_lse):
         fn = _jit(sparse_mla, sm_scale=sm_scale, return_lse=lse, implementation=implementation)
@@ -123,7 +140,10 @@ def _sparse(seed: int, heads: int, return_lse: bool):
 
     def compare(outputs):
         out_e, lse_e = run(EMULATION, lse=True)
-        tol, lse_tol = B.sparse_mla_bound(q, kv, idx, indptr, sm_scale, out_e, lse_e)
+        parts = None
+        if splits > 1:
+            parts = sparse_mla_partials_gfx950_emulation(q, kv, idx, indptr, sm_scale, splits)
+        tol, lse_tol = B.sparse_mla_bound(q, kv, idx, indptr, sm_scale, out_e, lse_e, parts)
         out = B.compare("out", outputs[0], out_e, tol)
         return _worst(out, B.compare("lse", outputs[1], lse_e, lse_tol)) if return_lse else out
 
@@ -318,8 +338,12 @@ def _plan() -> dict[str, tuple[Case, ...]]:
 
     for h in configs.SPARSE_MLA_HEADS:
         for lse in configs.SPARSE_MLA_RETURN_LSE:
-            (symbol,) = configs.sparse_mla_launches(h, lse)
-            add(symbol, f"H{h}, rows of 0/1/300/2100 keys, masked", P(_sparse, 100 + h, h, lse))
+            # h16: 2 (S > 1) or 3 (S = 1) head groups in one launch
+            heads = h * (2 + (not lse)) if h == configs.SPARSE_MLA_MAX_HEADS else h
+            symbol = f"jsm_sparse_mla_h{h}_l{int(lse)}"
+            plan_of = "S > 1 splits, empty ones, the combine" if lse else "S = 1"
+            name = f"H{heads}, rows of 0/1/300/2100 keys, masked, {plan_of}"
+            add(symbol, name, P(_sparse, 100 + h, heads, lse))
     for qlen in configs.MLA_DECODE_QLENS:
         sign = -1 if qlen == 2 else 1  # the scale's sign enters the kernel at run time
         add(

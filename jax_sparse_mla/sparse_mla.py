@@ -20,6 +20,7 @@ from jax_sparse_mla._dispatch import resolve_implementation, with_exact_gradient
 from jax_sparse_mla._platform import by_platform, gfx950_or, hopper_or
 from jax_sparse_mla.emulation.sparse_mla import sparse_mla_gfx950_emulation
 from jax_sparse_mla.ffi.calls import (
+    default_sparse_splits,
     sparse_mla_configurations,
     sparse_mla_flydsl,
     sparse_mla_unsupported,
@@ -45,6 +46,12 @@ def _lse_if(fn):
 _XLA = _lse_if(sparse_mla_xla)
 
 
+def _gfx950_emulation(q, kv, idx, indptr, sm_scale):
+    """The emulation with the key splits the kernels would use for these shapes."""
+    splits = default_sparse_splits(q, idx)
+    return sparse_mla_gfx950_emulation(q, kv, idx, indptr, sm_scale, splits)
+
+
 # implementation name -> fn(q, kv, idx, indptr, sm_scale, *, return_lse) -> (out bf16, lse f32 or
 # None); None is the choice of implementation=None: the FlyDSL kernel on gfx950 (ROCm), the
 # Mosaic GPU kernel on Hopper GPUs, Pallas on later ones (_platform.hopper_choice), "xla"
@@ -54,7 +61,7 @@ _IMPLEMENTATIONS = {
     **{
         name: with_exact_gradient(fn, _XLA)
         for name, fn in {
-            "gfx950_emulation": _lse_if(sparse_mla_gfx950_emulation),
+            "gfx950_emulation": _lse_if(_gfx950_emulation),
             "pallas": _lse_if(sparse_mla_pallas),
             "mosaic": _lse_if(sparse_mla_mosaic_cuda),
             "flydsl": sparse_mla_flydsl,

@@ -35,6 +35,7 @@ lane-address helpers with the assumed MFMA / ``ds_read_b64_tr_b8`` semantics and
 data movement computes exactly the scores and PV that the record bytes define.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -104,11 +105,29 @@ def row_keys(case, r: int):
     return k, v, codes
 
 
-def expected(case):
-    """float64 reference (kernel's V clamp) and the emulation's error bounds (module docstring).
+def split_case(case, splits: int):
+    """The case with each (row, split) of its keys as a row of its own (row r split s: row
+    r S + s, q repeated), the splits as the kernel cuts them (``E.split_range``)."""
+    idx, indptr = np.asarray(case.idx, np.int32), np.asarray(case.indptr, np.int64)
+    pieces = [np.zeros(0, np.int32)]
+    for r in range(case.q.shape[0]):
+        b, e = np.clip(indptr[r : r + 2], 0, len(idx))
+        for sp in range(splits):
+            lo, hi = (int(x) for x in E.split_range(max(e - b, 0), sp, splits))
+            pieces.append(idx[b + lo : b + hi])
+    indptr = np.cumsum([0, *map(len, pieces[1:])]).astype(np.int32)
+    q = jnp.repeat(case.q, splits, axis=0)
+    return dataclasses.replace(case, q=q, idx=np.concatenate(pieces), indptr=indptr)
+
+
+def expected(case, splits: int = 1):
+    """float64 reference (kernel's V clamp) and the emulation's error bounds (module docstring;
+    ``splits`` > 1: ``expected_split``).
 
     Returns ref [n_q, H, 512], ref_lse [n_q, H], tol [n_q, H, 512], lse_tol [n_q, H].
     """
+    if splits > 1:
+        return expected_split(case, splits)
     q = O.to_f64(case.q)
     n_q, h, _ = q.shape
     sm = _sm(case)
@@ -127,8 +146,8 @@ def expected(case):
         ref[r], ref_lse[r] = out, (smax + np.log(w.sum(axis=-1, keepdims=True)))[:, 0]
         l_shift = 2.0**8 * w.sum(axis=-1)  # [H]
         vmax = np.abs(v).max()
-        score_abs = float(np.max(sm * (np.abs(q[r]) @ np.abs(k).T)))
-        d_s = sm * (q_split_error(q[r]) @ np.abs(k).T) + 12 * EPS * score_abs  # [H, n]
+        score_abs = float(np.max(abs(sm) * (np.abs(q[r]) @ np.abs(k).T)))
+        d_s = abs(sm) * (q_split_error(q[r]) @ np.abs(k).T) + 12 * EPS * score_abs  # [H, n]
         e_k = (4 + np.abs((s - smax) * np.log2(np.e) + 8)) * EPS
         f32 = O.attn_atol(n, vmax, score_abs) + 8 * EPS * (n // 128 + 2) * vmax
         for hh in range(h):
@@ -146,6 +165,37 @@ def expected(case):
             + 2.0**-22 * (np.abs(ref_lse[r]) + score_abs + 32)
         )
     return ref, ref_lse, tol, lse_tol
+
+
+def expected_split(case, splits: int):
+    """The bound of ``splits`` partials merged by the combine: each (row, split) partial lies
+    within its own bound (``expected`` of ``split_case``) of the exact partial (o_s, lse_s), and
+    the exact merge of exact partials, ``sum_s W_s o_s`` with ``W_s = exp(lse_s - lse)``, is the
+    reference. LSEs off by at most ``D`` (per head, over the splits) move each normalized weight
+    by a factor within ``exp(+-2D)``, so before the combine's rounding the output errs by
+    ``exp(2D) sum_s W_s tol_s + (exp(2D) - 1 + c) sum_s W_s |o_s|``, c the combine's f32
+    arithmetic (its exp2 ``(2 + 0.7 |x|) 2^-24`` on ``x = (lse_s - max lse) log2 e``, twice:
+    weight and normalization, and S + 2 roundings of the sums); then one bf16 rounding
+    (``2^-8``). LSE: log-sum-exp moves by at most D, plus ``2^-20 (|lse| + 1)`` of its f32 steps.
+    """
+    ref, ref_lse, _, _ = expected(case)
+    n_q, h = ref_lse.shape
+    p_ref, p_lse, p_tol, p_lse_tol = expected(split_case(case, splits))
+    p_ref, p_tol = (x.reshape(n_q, splits, h, 512) for x in (p_ref, p_tol))
+    p_lse, p_lse_tol = (x.reshape(n_q, splits, h) for x in (p_lse, p_lse_tol))
+    live = np.isfinite(p_lse)
+    lse0 = np.where(np.isfinite(ref_lse), ref_lse, 0.0)[:, None]
+    w = np.where(live, np.exp(np.where(live, p_lse, 0.0) - lse0), 0.0)  # [n_q, S, H]
+    d = np.max(np.where(live, p_lse_tol, 0.0), axis=1)  # [n_q, H]
+    top = np.max(np.where(live, p_lse, -np.inf), axis=1, keepdims=True)
+    x = np.where(live, (p_lse - np.where(np.isfinite(top), top, 0.0)) * np.log2(np.e), 0.0)
+    comb = (2 * (4 + 0.7 * np.abs(x).max(axis=1)) + splits + 2) * EPS  # [n_q, H]
+    grow = np.exp(2 * d)[..., None]
+    pre = grow * np.einsum("rsh,rshd->rhd", w, p_tol) + (grow - 1 + comb[..., None]) * np.einsum(
+        "rsh,rshd->rhd", w, np.abs(p_ref)
+    )
+    tol = 2.0**-8 * np.abs(ref) + (1 + 2.0**-8) * pre
+    return ref, ref_lse, tol, d + 2.0**-20 * (np.abs(lse0[:, 0]) + 1)
 
 
 def check(out, lse, ref, ref_lse, tol, lse_tol, what=""):
@@ -528,3 +578,62 @@ def test_kernel_layout():
                 acc = acc + _mfma(va, pp[kk], KPOS_16)
             dims = 128 * w + 16 * dc + 4 * g[:, None] + np.arange(4)
             np.testing.assert_allclose(acc, want_o[t[:, None], dims], rtol=1e-12, atol=0)
+
+
+def test_work_items_and_splits():
+    """The kernel's block-id map and key splits (its own helpers on Python ints): each (row
+    item, head group) once, the G head groups of an item on one XCD (block id mod 8) within one
+    window of 8 G block ids; the splits tile a row in order, whole 64-key chunks but the last,
+    as the emulation's ``split_range``."""
+    K = pytest.importorskip("jax_sparse_mla.kernels.gfx950.sparse_mla")
+    for n_items, groups in ((1, 8), (13, 3), (64, 1)):
+        grid = K._grid_x(n_items, 1, groups)
+        assert grid == 8 * groups * -(-n_items // 8)
+        seen = {}
+        for bid in range(grid):
+            item, hg = K._work_item(bid, groups)
+            seen.setdefault(item, []).append((hg, bid))
+        assert sorted(seen) == list(range(grid // groups))
+        for item, pairs in seen.items():
+            assert sorted(hg for hg, _ in pairs) == list(range(groups))
+            assert {bid % 8 for _, bid in pairs} == {item % 8}
+            assert max(b for _, b in pairs) - min(b for _, b in pairs) < 8 * groups
+    for length in (0, 1, 63, 64, 65, 300, 2100):
+        for splits in (1, 2, 8, 33):
+            ranges = [K._split_range(length, s, splits) for s in range(splits)]
+            assert ranges == [
+                tuple(map(int, E.split_range(length, s, splits))) for s in range(splits)
+            ]
+            assert ranges[0][0] == 0 and ranges[-1][1] == length
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+            assert all((hi - lo) % 64 == 0 for lo, hi in ranges if hi < length)
+
+
+@pytest.mark.parametrize("splits", [3, 9])
+def test_splits_merged_by_the_combine(splits):
+    """S key splits per row (empty ones for the short rows), their bf16 partials merged with the
+    combine's arithmetic, against the float64 oracle within ``expected_split``."""
+    case = C.sparse_case(
+        7, n_q=6, h=16, n_rec=300, max_len=8, long_rows={0: 1, 1: 700, 2: 129, 3: 64}
+    )
+    fn = functools.partial(E.sparse_mla_gfx950_emulation, num_splits=splits)
+    ref, ref_lse, tol, lse_tol = expected(case, splits)
+    out, lse = run(case, fn)
+    print(f"{splits} splits: worst ratio {check(out, lse, ref, ref_lse, tol, lse_tol):.3g}")
+    one, _ = run(case)  # the partials' roundings change the result, within the bounds
+    assert not np.array_equal(out, one)
+
+
+@pytest.mark.parametrize("sm_scale", [0.0, -0.05, 1e37])
+def test_any_finite_scale(sm_scale):
+    """sm_scale 0 (every live key weighs alike), negative, and one whose scaled scores overflow
+    float32 (|q·K| ~ 10): the scale multiplies the scores only after their running max is
+    subtracted, so each stays finite."""
+    case = C.sparse_case(5, n_q=6, h=16, sm_scale=sm_scale, max_len=60)
+    if sm_scale == 1e37:  # one-hot weights: the oracle's argmax, not the bound's terms
+        out, lse = run(case)
+        assert np.isfinite(out).all() and not np.isnan(lse).any()
+        C_ref = O.sparse_mla(case.q, case.kv, case.idx, case.indptr, sm_scale)[0]
+        np.testing.assert_allclose(out, C_ref, rtol=2.0**-7, atol=2.0**-7 * np.abs(C_ref).max())
+        return
+    print(f"sm {sm_scale}: worst ratio {check_case(padded(case), f'sm {sm_scale}'):.3g}")

@@ -84,13 +84,26 @@ def test_sparse_mla_lowers_to_its_custom_call(implementation):
         "tensor<7xi32>",
         "tensor<4xi32>",
     ]
-    assert results == ["tensor<3x20x512xbf16>", "tensor<3x20xf32>"]
+    assert results == ["tensor<3x1x20x512xbf16>", "tensor<3x1x20xf32>"]  # S = 1 split
     # Without the LSE the call has one result; any leading kv shape arrives as rows.
     q, kv, idx, indptr = sparse_args()
     fn = functools.partial(jsm.sparse_mla, implementation=implementation)
     ((_, attrs, operands, results),) = custom_calls(fn, q, kv.reshape(2, 5, 656), idx, indptr)
     assert attrs == f"sm_scale = {np.float32(576**-0.5):.9} : f32"
-    assert operands[1] == "tensor<10x656xui8>" and results == ["tensor<3x20x512xbf16>"]
+    assert operands[1] == "tensor<10x656xui8>" and results == ["tensor<3x1x20x512xbf16>"]
+
+
+@pytest.mark.parametrize("implementation", [None, "flydsl"])
+def test_sparse_mla_splits_lower_to_partials_and_combine(implementation):
+    """2 rows of 500 keys, 20 heads (2 head groups) on 256 CUs: S = min(ceil(500 / 64),
+    ceil(256 / 4)) = 8 splits; the partials and their LSEs (also without return_lse) feed the
+    combine."""
+    fn = functools.partial(jsm.sparse_mla, sm_scale=0.1, implementation=implementation)
+    (sparse, combine) = custom_calls(fn, *sparse_args(n_q=2, h=20, nnz=1000))
+    assert sparse[0] == "jsm_sparse_mla"
+    assert sparse[3] == ["tensor<2x8x20x512xbf16>", "tensor<2x8x20xf32>"]
+    assert combine[0] == "jsm_mla_decode_combine"
+    assert combine[2] == sparse[3] and combine[3] == ["tensor<2x20x512xbf16>", "tensor<2x20xf32>"]
 
 
 @pytest.mark.parametrize("implementation", [None, "flydsl"])
@@ -273,7 +286,7 @@ def test_vmap_runs_the_call_per_batch_element():
     text = jax.jit(fn).trace(qs).lower(lowering_platforms=("rocm",)).as_text()
     assert "stablehlo.while" in text
     ((_, _, operands, results),) = custom_calls(fn, qs)
-    assert operands[0] == "tensor<3x20x576xbf16>" and results == ["tensor<3x20x512xbf16>"]
+    assert operands[0] == "tensor<3x20x576xbf16>" and results == ["tensor<3x1x20x512xbf16>"]
 
 
 def test_donated_cache_aliases_the_output():

@@ -120,6 +120,7 @@ def scenarios():
         "tr_probe_b16": lambda: tr_probe(16),
         "sparse_h20_lse": lambda: sparse(3, 20, 10, 7, True),
         "sparse_h1": lambda: sparse(2, 1, 10, 7, False),
+        "sparse_h40_splits": lambda: sparse(2, 40, 10, 1000, False),
         "sparse_empty": lambda: sparse(0, 4, 10, 7, True),
         "sparse_big_cache": lambda: sparse(2, 16, BIG_RECORDS, 4, True),
         "decode_q2": lambda: decode(3, 2, 16, 4, 50),
@@ -152,8 +153,13 @@ def bad_calls():
                            out(((2, 4, 512), bf)), dict(sm_scale=np.float32(1))),
         "sparse_indptr": ("jsm_sparse_mla", [*sparse_ok[:3], z((2,), s32)],
                           out(((2, 4, 512), bf)), dict(sm_scale=np.float32(1))),
-        "sparse_lse_shape": ("jsm_sparse_mla", sparse_ok, out(((2, 4, 512), bf), ((2, 5), f32)),
+        "sparse_lse_shape": ("jsm_sparse_mla", sparse_ok,
+                             out(((2, 1, 4, 512), bf), ((2, 1, 5), f32)),
                              dict(sm_scale=np.float32(1))),
+        "sparse_out_shape": ("jsm_sparse_mla", sparse_ok, out(((2, 4, 512), bf)),
+                             dict(sm_scale=np.float32(1))),
+        "sparse_splits_without_lse": ("jsm_sparse_mla", sparse_ok, out(((2, 3, 4, 512), bf)),
+                                      dict(sm_scale=np.float32(1))),
         "sparse_kv_record": ("jsm_sparse_mla", [sparse_ok[0], z((10, 576), u8), *sparse_ok[2:]],
                              out(((2, 4, 512), bf)), dict(sm_scale=np.float32(1))),
         "partials_qlen": ("jsm_mla_decode_partials", partials_ok,
@@ -196,14 +202,17 @@ def bad_calls():
 # at n_q = 2^24, the reduce's 32 GiB at B = 2^26), and XLA CPU skips a custom call whose
 # results are all empty (H = 0, say), so the checks are exercised here on their quantities.
 GRID_CASES = {
-    "sparse_h20_lse": ("jsm_sparse_mla", (3,)),
+    "sparse_h20_lse": ("jsm_sparse_mla", (3, 1, 1)),  # n_q, S, head groups
+    "sparse_h40_splits": ("jsm_sparse_mla", (2, 8, 2)),
     "decode_q2": ("jsm_mla_decode_partials", (3, 16, 4, 2)),  # B, H, S, qlen
     "decode_q1_h128": ("jsm_mla_decode_partials", (2, 128, 1, 1)),
     "decode_q2_combine": ("jsm_mla_decode_combine", (6, 16)),  # n = B * qlen, H
     "ultraquant_g8": ("jsm_ultraquant_partials", (2, 2, 3)),  # B, Hk, P
     "ultraquant_g8_reduce": ("jsm_ultraquant_reduce", (2, 16)),  # B, Hq
-    "sparse_at": ("jsm_sparse_mla", (2**24 - 1,)),
-    "sparse_past": ("jsm_sparse_mla", (2**24,)),
+    "sparse_at": ("jsm_sparse_mla", (2**24 - 8, 1, 1)),
+    "sparse_past": ("jsm_sparse_mla", (2**24 - 7, 1, 1)),  # rounded up to 8: 2^24 workgroups
+    "sparse_splits_at": ("jsm_sparse_mla", (2**18 - 1, 8, 8)),
+    "sparse_splits_past": ("jsm_sparse_mla", (2**18, 8, 8)),
     "partials_at": ("jsm_mla_decode_partials", (2**20 - 1, 16, 8, 1)),
     "partials_past": ("jsm_mla_decode_partials", (2**20, 16, 8, 1)),
     "combine_at": ("jsm_mla_decode_combine", (2**24 - 1, 4)),
@@ -279,47 +288,92 @@ def check_launch(event, kernel, grid, block):
     assert event["stream"] == RECORDING_STREAM and event["shared"] == 0
 
 
-def test_sparse_mla_head_groups(recorded):
-    """H = 20 runs as heads 0-15 and 16-19: q / out / lse offset by the group's first head,
-    the full tensors' strides, one workgroup of 256 threads per query row."""
-    r = recorded["sparse_h20_lse"]
-    n_q, h, rows, nnz = 3, 20, 10, 7
-    first, second = launches(r["events"])
-    check_launch(first, "jsm_sparse_mla_h16_l1", (n_q, 1, 1), (256, 1, 1))
-    check_launch(second, "jsm_sparse_mla_h4_l1", (n_q, 1, 1), (256, 1, 1))
-    for event, h0 in ((first, 0), (second, 16)):
+SPARSE_SCALARS = (
+    "n_q:i32",
+    "nnz:i32",
+    "kv_rows:i32",
+    "num_splits:i32",
+    "head_groups:i32",
+    "q_row_stride:i32",
+    "q_head_stride:i32",
+    "out_row_stride:i32",
+    "out_head_stride:i32",
+    "lse_row_stride:i32",
+    "sm_scale:f32",
+)
+
+
+def sparse_grid(n_q, splits, groups):
+    """One workgroup per (row, split, head group), 8 rounds of items (one per XCD) per group."""
+    return (8 * groups * math.ceil(n_q * splits / 8), 1, 1)
+
+
+def check_sparse_launches(r, n_q, h, rows, nnz, splits, lse):
+    """The launches of heads [0, 16 G) (configuration h16, G head groups) and of the remainder:
+    q / out / lse offset by the launch's first head, the full tensors' strides, out / lse
+    [n_q, S, H(, 512)]; every packed argument reaches the kernel as it is."""
+    full, rem = divmod(h, 16)
+    plan = ([(0, 16, full)] if full else []) + ([(16 * full, rem, 1)] if rem else [])
+    events = launches(r["events"])[: len(plan)]
+    assert len(events) == len(plan)
+    for event, (h0, group, groups) in zip(events, plan, strict=True):
+        l_flag = int(lse or splits > 1)
+        check_launch(
+            event,
+            f"jsm_sparse_mla_h{group}_l{l_flag}",
+            sparse_grid(n_q, splits, groups),
+            (256, 1, 1),
+        )
         a = packed(event)
         assert a["Q:p"] == r["pointers"]["q"] + h0 * 576 * 2
         assert a["Q:L1"] == n_q * h * 576 - h0 * 576
         assert (a["KV:p"], a["KV:L1"]) == (r["pointers"]["kv"], rows * 656)
         assert (a["IDX:p"], a["IDX:L1"]) == (r["pointers"]["idx"], nnz)
         assert (a["IPTR:p"], a["IPTR:L1"]) == (r["pointers"]["indptr"], n_q + 1)
-        assert a["OUT:L1"] == n_q * h * 512 - h0 * 512 and a["LSE:L1"] == n_q * h - h0
-        scalars = [
-            a[k]
-            for k in (
-                "n_q:i32",
-                "nnz:i32",
-                "kv_rows:i32",
-                "q_row_stride:i32",
-                "q_head_stride:i32",
-                "out_row_stride:i32",
-                "out_head_stride:i32",
-                "lse_row_stride:i32",
-                "sm_scale:f32",
-            )
-        ]
-        assert scalars == [n_q, nnz, rows, h * 576, 576, h * 512, 512, h, f32_bits(0.125)]
-        # The sparse kernel receives every packed argument as it is.
+        assert a["OUT:L1"] == n_q * splits * h * 512 - h0 * 512
+        assert a["LSE:L1"] == ((n_q * splits * h - h0) if l_flag else 0)
+        assert [a[k] for k in SPARSE_SCALARS] == [
+            n_q, nnz, rows, splits, groups, h * 576, 576, h * 512, 512, h, f32_bits(0.125)
+        ]  # fmt: skip
         assert event["kernel_args"] == [v for _, _, v in event["packed"]]
-    a0, a1 = packed(first), packed(second)
-    assert a1["OUT:p"] - a0["OUT:p"] == 16 * 512 * 2 and a1["LSE:p"] - a0["LSE:p"] == 16 * 4
-    assert a0["OUT:p"] not in r["pointers"].values()
+    if len(events) == 2:
+        a0, a1 = packed(events[0]), packed(events[1])
+        assert a1["OUT:p"] - a0["OUT:p"] == 16 * full * 512 * 2
+        assert a1["LSE:p"] - a0["LSE:p"] == 16 * full * 4
+    return events
+
+
+def test_sparse_mla_head_groups(recorded):
+    """H = 20, 3 rows of about 2 keys: one split (S = 1), heads 0-15 then 16-19, each launch
+    one 256-thread workgroup per row in whole rounds of 8; the output is written directly."""
+    r = recorded["sparse_h20_lse"]
+    first, second = check_sparse_launches(r, n_q=3, h=20, rows=10, nnz=7, splits=1, lse=True)
+    assert len(launches(r["events"])) == 2  # no combine
+    assert packed(first)["OUT:p"] not in r["pointers"].values()
+
+
+def test_sparse_mla_splits_head_groups_and_combine(recorded):
+    """H = 40, 2 rows of 500 keys on 256 CUs: S = min(ceil(500 / 64), ceil(256 / (2 rows x 3
+    head groups))) = 8 splits; heads 0-31 in one launch (2 groups of 16 in the block id),
+    32-39 in another; the bf16 partials [2, 8, 40, 512] and their LSEs (written although the
+    call asks for no LSE) feed the combine."""
+    r = recorded["sparse_h40_splits"]
+    n_q, h, splits = 2, 40, 8
+    assert splits == min(math.ceil(1000 / n_q / 64), math.ceil(256 / (n_q * 3)))
+    first, _ = check_sparse_launches(r, n_q, h, rows=10, nnz=1000, splits=splits, lse=False)
+    *_, comb = launches(r["events"])
+    assert len(launches(r["events"])) == 3
+    check_launch(comb, "jsm_mla_decode_combine", (math.ceil(n_q * h / 4), 1, 1), (256, 1, 1))
+    c, a = packed(comb), packed(first)
+    assert (c["OP:p"], c["LP:p"]) == (a["OUT:p"], a["LSE:p"])  # the partials feed the combine
+    assert (c["OP:L1"], c["LP:L1"]) == (n_q * splits * h * 512, n_q * splits * h)
+    assert [c["num_rows:i32"], c["num_heads:i32"], c["num_splits:i32"]] == [n_q * h, h, splits]
 
 
 def test_sparse_mla_without_lse_and_empty(recorded):
-    (event,) = launches(recorded["sparse_h1"]["events"])
-    check_launch(event, "jsm_sparse_mla_h1_l0", (2, 1, 1), (256, 1, 1))
+    (event,) = check_sparse_launches(
+        recorded["sparse_h1"], n_q=2, h=1, rows=10, nnz=7, splits=1, lse=False
+    )
     assert (packed(event)["LSE:p"], packed(event)["LSE:L1"]) == (0, 0)
     assert recorded["sparse_empty"]["events"] == []  # n_q = 0: nothing to launch
 
@@ -339,7 +393,7 @@ def test_code_objects_load_once_per_device(recorded):
             else:
                 assert event["kernel"] in loaded
         assert [e["event"] for e in r["again"]] == ["launch"] * len(launches(r["events"]))
-    assert len(loaded) == 13
+    assert len(loaded) == 14
 
 
 def test_cache_over_4_gib(recorded):
@@ -500,7 +554,10 @@ def test_ds_read_tr_probe_launches_one_wave(recorded, bits):
 EXPECTED_ERRORS = {
     "sparse_q_dtype": "jsm_sparse_mla: q must be bf16[n_q, H, 576], got f32[2, 4, 576]",
     "sparse_indptr": "jsm_sparse_mla: indptr must be s32[2 + 1], got s32[2]",
-    "sparse_lse_shape": "jsm_sparse_mla: lse must be f32[2, 4], got f32[2, 5]",
+    "sparse_lse_shape": "jsm_sparse_mla: lse must be f32[2, 1, 4], got f32[2, 1, 5]",
+    "sparse_out_shape": "jsm_sparse_mla: out must be bf16[2, S, 4, 512], got bf16[2, 4, 512]",
+    "sparse_splits_without_lse": "jsm_sparse_mla: S = 3 splits: needs S >= 1, and the lse "
+    "result when S > 1",
     "sparse_kv_record": "jsm_sparse_mla: kv must be u8[rows, 656], got u8[10, 576]",
     "partials_qlen": "jsm_mla_decode_partials: qlen must be one of 1, 2, 4 (the compiled "
     "kernels), got 3",
@@ -534,6 +591,7 @@ def test_handlers_reject_bad_buffers(recorded, name):
     ("case", "scenario", "kernel"),
     [
         ("sparse_h20_lse", "sparse_h20_lse", "jsm_sparse_mla_h16_l1"),
+        ("sparse_h40_splits", "sparse_h40_splits", "jsm_sparse_mla_h16_l1"),
         ("decode_q2", "decode_q2", "jsm_mla_decode_partials_q2"),
         ("decode_q1_h128", "decode_q1_h128", "jsm_mla_decode_partials_q1"),
         ("decode_q2_combine", "decode_q2", "jsm_mla_decode_combine"),
@@ -549,10 +607,14 @@ def test_grid_checks_model_the_launches(recorded, case, scenario, kernel):
     assert event["grid"] == g["grid"][:3] and event["block"] == [g["grid"][3], 1, 1]
 
 
+SPARSE_X = "8 * head groups * ceil(n_q * S / 8)"
+
+
 @pytest.mark.parametrize(
     ("case", "target", "x_is", "threads", "x_at"),
     [
-        ("sparse", "jsm_sparse_mla", "n_q", 256, 2**24 - 1),
+        ("sparse", "jsm_sparse_mla", SPARSE_X, 256, 2**24 - 8),
+        ("sparse_splits", "jsm_sparse_mla", SPARSE_X, 256, 2**24 - 64),
         (
             "partials",
             "jsm_mla_decode_partials",

@@ -3,6 +3,8 @@
 The expected values are worked out here from the formats (docs/formats.md) and the kernels'
 documented grids, not read from the model's constants."""
 
+import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -17,22 +19,61 @@ SLOT = 128 + 8 + 128 + 8  # UltraQuant: K codes + scales, V codes + scales
 PARTIAL = 512 * 2 + 4  # one bf16 output row and its f32 LSE
 
 
-def test_sparse_mla_regathers_per_head_group():
+def test_sparse_mla_splits_fill_the_cus_and_head_groups_share_l2():
     e = model.estimate(SparseMla(n_q=1, heads=128, topk=2048))
-    assert (e.launches, e.workgroups, e.splits) == (8, 1, 1)  # 8 groups of 16 heads
+    # 8 head groups in one launch; S = min(2048 / 64, ceil(256 CUs / (1 row x 8 groups))) = 32
+    assert (e.launches, e.splits, e.workgroups) == (1, 32, 8 * 8 * 4)  # 8 XCDs x 8 x ceil(32/8)
     assert e.min_record_bytes == 2048 * RECORD == 1_343_488
-    assert e.record_bytes == 8 * 2048 * RECORD
-    assert e.fill_target == 2048 // 64
-    assert e.misses() == ["bytes 8x min", "fill 1/32 WGs"]
+    assert e.record_bytes == 8 * 2048 * RECORD  # requested per head group, from HBM once
+    assert e.max_bytes_ratio == 8 and e.misses() == []
     q_out = 128 * (576 * 2 + 512 * 2 + 4)
-    assert e.hbm_s == pytest.approx((8 * 2048 * (RECORD + 4) + q_out) / 8e12)
+    partials = 2 * 128 * 32 * PARTIAL  # written, read back by the combine
+    assert e.other_bytes == 8 * 2048 * 4 + q_out + partials
+    assert e.hbm_s == pytest.approx((8 * 2048 * (RECORD + 4) + q_out + partials) / 8e12)
     assert e.min_hbm_s == pytest.approx((2048 * (RECORD + 4) + q_out) / 8e12)
 
 
-def test_sparse_mla_sixteen_heads_reads_each_record_once():
-    e = model.estimate(SparseMla(n_q=128, heads=16))
-    assert (e.launches, e.workgroups, e.bytes_ratio) == (1, 128, 1.0)
-    assert e.misses() == ["fill 128/256 WGs"]
+def test_sparse_mla_one_split_writes_the_output():
+    e = model.estimate(SparseMla(n_q=128, heads=128))
+    assert (e.splits, e.workgroups, e.bytes_ratio) == (1, 8 * 128, 8.0)  # 128 rows x 8 groups
+    assert e.other_bytes == 8 * 128 * 2048 * 4 + 128 * 128 * (576 * 2 + PARTIAL)  # no combine
+    assert e.misses() == []
+
+
+def test_sparse_mla_remainder_heads_launch_apart():
+    e = model.estimate(SparseMla(n_q=2, heads=40))  # heads 0-31 (2 groups) and 32-39
+    assert e.launches == 2
+    assert e.splits == min(2048 // 64, math.ceil(256 / (2 * 3)))  # 3 head groups per row
+    assert e.workgroups == 8 * 2 * math.ceil(2 * e.splits / 8)  # the main launch's
+
+
+@pytest.mark.parametrize("heads", [16, 64, 128])
+@pytest.mark.parametrize("n_q", [1, 4, 32, 128])
+def test_deepseek_v32_sparse_shapes_meet_the_targets(n_q, heads):
+    """DeepSeek-V3.2 decode (top-k 2048; 128 heads, 64 / 16 under TP 2 / 8): records requested
+    at most once per (row, split, group of 16 heads), i.e. G = ceil(H / 16) x the minimum (the
+    G workgroups of a (row, split) share one XCD's L2: HBM serves each record about once); and
+    never fewer workgroups than CUs while the keys could fill them at 64 keys a split."""
+    e = model.estimate(SparseMla(n_q=n_q, heads=heads, topk=2048))
+    groups = math.ceil(heads / 16)
+    assert e.min_record_bytes == n_q * 2048 * RECORD
+    assert e.record_bytes <= groups * e.min_record_bytes
+    assert e.splits * 64 <= 2048  # every split at least one 64-key tile
+    fill = min(256, n_q * groups * 2048 // 64)
+    assert e.workgroups >= fill, (e.workgroups, fill)
+    assert (e.other_bytes > e.min_other_bytes + groups * n_q * 2048 * 4) == (e.splits > 1)
+    assert e.misses() == []
+
+
+def test_misses_flag_a_shape_over_its_bounds():
+    """The targets can fail: requests past the stated bound, too few workgroups."""
+    e = model.estimate(SparseMla(n_q=1, heads=128))
+    over = dataclasses.replace(e, record_bytes=9 * e.min_record_bytes)
+    assert over.misses() == ["bytes 9x min"]
+    idle = dataclasses.replace(e, workgroups=31)
+    assert idle.misses() == ["fill 31/32 WGs"]
+    once = dataclasses.replace(e, max_bytes_ratio=1.0)  # a design claiming one gather per row
+    assert once.misses() == ["bytes 8x min"]
 
 
 def test_mla_decode_fills_the_cus_and_writes_partials():
@@ -48,18 +89,20 @@ def test_mla_decode_fills_the_cus_and_writes_partials():
 
 def test_mla_decode_head_groups_share_k_through_the_l2():
     """The 8 head groups' CTAs of a (split, request) are consecutive block ids of one XCD (the
-    kernel's grid), so K and its indices come from HBM once and 8 times from the L2."""
+    kernel's grid): each requests K and its indices, 8 x the minimum, the design's stated bound
+    (HBM about once, the rest from that XCD's L2)."""
     e = model.estimate(MlaDecode(batch=4, context=8192, heads=128))
     assert e.splits == 8  # 256 / (4 requests x 8 head groups)
     assert e.workgroups == 8 * 8 * 4  # 8 XCDs x 8 groups x ceil(4 x 8 / 8)
-    assert e.record_bytes == e.min_record_bytes == 4 * 8192 * ROW
-    assert e.l2_requests == 8
+    assert e.min_record_bytes == 4 * 8192 * ROW
+    assert e.record_bytes == 8 * e.min_record_bytes
+    assert e.max_bytes_ratio == 8
     assert e.misses() == []
     one = model.estimate(MlaDecode(batch=64, context=8192, heads=128))
     assert (one.splits, one.workgroups) == (1, 512)
-    assert one.other_bytes == 64 * 8192 * 4 + 64 * 128 * (576 * 2 + PARTIAL)  # no combine
+    assert one.other_bytes == 8 * 64 * 8192 * 4 + 64 * 128 * (576 * 2 + PARTIAL)  # no combine
     row = next(line for line in model.shape_lines([MlaDecode(4, 8192, 128)]) if "B=4" in line)
-    assert row.endswith("| meets both (records 8x from L2) |")
+    assert row.endswith("| 8.00 | 8 | 161.58 | 20.20 | 2.52 | meets both |")
 
 
 DENSE_AND_ULTRAQUANT = [s for s in model.DECODE_SHAPES if isinstance(s, (MlaDecode, UltraQuant))]
@@ -67,10 +110,12 @@ DENSE_AND_ULTRAQUANT = [s for s in model.DECODE_SHAPES if isinstance(s, (MlaDeco
 
 @pytest.mark.parametrize("shape", DENSE_AND_ULTRAQUANT, ids=str)
 def test_dense_and_ultraquant_shapes_meet_the_redesign_targets(shape):
-    """No shape counts more than 1.1x the minimum record bytes, and none launches fewer
-    workgroups than CUs while its keys could fill them at 64 keys a split."""
+    """No shape requests more than 1.1x the minimum record bytes (or, for mla_decode's
+    co-scheduled head groups, the design's bound: one request per head group), and none
+    launches fewer workgroups than CUs while its keys could fill them at 64 keys a split."""
     e = model.estimate(shape)
-    assert e.record_bytes <= 1.1 * e.min_record_bytes
+    groups = -(-shape.heads // 16) if isinstance(shape, MlaDecode) else 1
+    assert e.record_bytes <= max(1.1, groups) * e.min_record_bytes
     keys = shape.batch * shape.context
     kv_heads = shape.kv_heads if isinstance(shape, UltraQuant) else 1
     if kv_heads * keys // 64 >= e.cus:
@@ -103,6 +148,7 @@ def test_device_cus_enter_the_plan():
     e = model.estimate(MlaDecode(batch=1, context=32768, heads=16), cus=80)
     assert (e.splits, e.workgroups, e.fill_target) == (80, 80, 80)
     assert model.estimate(SparseMla(1, 16), cus=16).fill_target == 16
+    assert model.estimate(SparseMla(1, 16), cus=16).splits == 16  # fills 16 CUs, not 32
 
 
 def test_report_prints_the_model_section(capsys):
@@ -127,8 +173,11 @@ def test_report_prints_the_model_section(capsys):
     out = capsys.readouterr().out
     assert "MI355X model (256 CUs" in out
     assert "jsm_sparse_mla_h16_l1 256 76160 2 2 vgpr" in " ".join(out.split())
-    assert "| sparse_mla | n_q=1 H=128 topk=2048 | 8 | 1 | 32 | 1 | 10.75 | 1.34 | 8.00 |" in out
-    assert "| bytes 8x min; fill 1/32 WGs |" in out
+    assert (
+        "| sparse_mla | n_q=1 H=128 topk=2048 | 1 | 256 | 32 | 32 | 10.75 | 1.34 | 8.00 | 8 |"
+        in out
+    )
+    assert "| mla_decode | B=4 ctx=8192 H=128 qlen=1 |" in out
     assert f"of {len(model.DECODE_SHAPES)} decode shapes miss a target" in out
 
 

@@ -60,8 +60,46 @@ def test_each_case_launches_its_own_configuration(plan_launches):
     for case in plan_launches:
         kernels = [launch["kernel"] for launch in case["launches"]]
         assert case["symbol"] in kernels, case
-        if case["symbol"].startswith("jsm_sparse_mla") or "partials" in case["symbol"]:
+        if "partials" in case["symbol"]:
             assert kernels == [case["symbol"]]
+        if case["symbol"].startswith("jsm_sparse_mla"):  # l1: S > 1 splits and the combine
+            combine = [configs.MLA_DECODE_COMBINE] if case["symbol"].endswith("_l1") else []
+            assert kernels == [case["symbol"], *combine]
+
+
+def sparse_cases(plan_launches, lse: bool) -> list[dict]:
+    return [
+        c
+        for c in plan_launches
+        if c["symbol"].startswith("jsm_sparse_mla") and c["symbol"].endswith(f"_l{int(lse)}")
+    ]
+
+
+@pytest.mark.parametrize("lse", [False, True])
+def test_sparse_cases_split_and_group(plan_launches, lse):
+    """The l1 cases run S > 1 splits (several; some of them without keys: the 1-key row, the
+    empty row, the 300-key row's tail) and the combine; the l0 cases S = 1 with one row of
+    2100 keys (17 tiles, 9 passes of the index scan); the h16 cases 2 or 3 head groups in one
+    launch."""
+    for case in sparse_cases(plan_launches, lse):
+        sparse, *_ = case["launches"]
+        a = sparse["packed"]
+        n_q, splits, groups = a["n_q:i32"], a["num_splits:i32"], a["head_groups:i32"]
+        h = int(case["symbol"].split("_h")[1].split("_")[0])
+        assert groups == ((2 + (not lse)) if h == 16 else 1)
+        assert (splits >= 8) if lse else (splits == 1)
+        q, _, idx, indptr = self_check.sparse_inputs(0, groups * h, lse)
+        assert n_q == q.shape[0] and a["nnz:i32"] == idx.shape[0]
+        lengths = np.diff(np.asarray(indptr))
+        assert max(lengths) == 2100
+        chunk = 64 * -(-lengths // (64 * splits))
+        keys = np.minimum(
+            np.maximum(lengths[:, None] - chunk[:, None] * np.arange(splits), 0), chunk[:, None]
+        )
+        per_row = (keys > 0).sum(axis=1)
+        assert (keys.sum(axis=1) == lengths).all()
+        if lse:
+            assert per_row.max() >= 7 and per_row[1] == 1 and (keys == 0).any()  # empty splits
 
 
 @pytest.mark.parametrize("qlen", configs.MLA_DECODE_QLENS)

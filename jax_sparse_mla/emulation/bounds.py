@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from jax_sparse_mla.emulation.sparse_mla import split_range
 from jax_sparse_mla.formats import (
     LATENT_DIM,
     NUM_SCALES,
@@ -71,33 +72,63 @@ def compare(name: str, got, want, tol) -> tuple[float, str | None]:
 # ---------------------------------------------------------------------------------------------
 
 
-def sparse_mla_bound(q, kv, idx, indptr, sm_scale, out_e, lse_e):
-    """``|out_k - out_e| <= 2^-7 |out_e| + 2^-10 max_k |V_k| + 2^-23 n_keys max|code| / 256
+def sparse_mla_bound(q, kv, idx, indptr, sm_scale, out_e, lse_e, parts=None):
+    """The kernel's result against the emulation's, per (row, split) of its keys:
+    ``|out_k - out_e| <= 2^-7 |out_e| + 2^-10 max_k |V_k| + 2^-23 n_keys max|code| / 256
     + 2^-18 score_abs max|V|`` and ``|lse_k - lse_e| <= 2^-20 (|lse_e| + score_abs) + 2^-20``,
-    ``score_abs = sm_scale max_k sum |q||k|`` over the row's unmasked keys (per head).
+    ``score_abs = sm_scale max_k sum |q||k|`` over the split's unmasked keys (per head).
+    ``parts`` (S > 1): the emulation's partials (o_parts [n_q, S, H, 512], lse_parts [n_q, S, H]),
+    whose bounds the combine carries to the result (``_combined``).
     q [n_q, H, 576], kv [rows, 656] uint8 records -> (tol [n_q, H, 512], lse_tol [n_q, H])."""
-    q, out_e, lse_e = f64(q), f64(out_e), f64(lse_e)
+    q = f64(q)
     kv = np.asarray(kv, np.uint8).reshape(-1, RECORD_BYTES)
     idx, indptr = np.asarray(idx, np.int64), np.asarray(indptr, np.int64)
-    tol = 2.0**-7 * np.abs(out_e)
-    lse_tol = np.zeros(lse_e.shape)
+    o_e, l_e = (out_e[:, None], lse_e[:, None]) if parts is None else parts
+    o_e, l_e = f64(o_e), f64(l_e)
+    splits = o_e.shape[1]
+    tol, lse_tol = 2.0**-7 * np.abs(o_e), np.zeros(l_e.shape)
     for r in range(q.shape[0]):
         b, e = np.clip(indptr[r : r + 2], 0, len(idx))
-        ids = idx[b : max(b, e)]
-        rec = kv[ids[(ids >= 0) & (ids < len(kv))]]
-        if len(rec) == 0:
-            continue
-        codes = _e4m3(rec[:, :LATENT_DIM])
-        scales = rec[:, SCALES_OFFSET:ROPE_OFFSET].copy().view(np.float32).astype(np.float64)
-        v = codes * np.repeat(scales.reshape(-1, NUM_SCALES), SCALE_BLOCK, axis=1)
-        rope = f64(jnp.asarray(rec[:, ROPE_OFFSET:].copy().view(np.uint16)).view(jnp.bfloat16))
-        k = np.concatenate([v, rope], axis=1)
-        vmax, cmax = np.abs(v).max(), np.abs(codes).max()
-        score_abs = sm_scale * (np.abs(q[r]) @ np.abs(k).T).max(axis=-1)  # [H]
-        atol = 2.0**-10 * vmax + 2.0**-23 * len(rec) * cmax / 256 + 2.0**-18 * score_abs * vmax
-        tol[r] += atol[:, None]
-        lse_tol[r] = 2.0**-20 * (np.abs(lse_e[r]) + score_abs) + 2.0**-20
-    return tol, lse_tol
+        length = max(e - b, 0)
+        for s in range(splits):
+            lo, hi = (int(x) for x in split_range(length, s, splits))
+            ids = idx[b + lo : b + hi]
+            ids = ids[(ids >= 0) & (ids < len(kv))]
+            if len(ids):
+                atol, lse_tol[r, s] = _keys_bound(q[r], kv[ids], sm_scale, l_e[r, s])
+                tol[r, s] += atol[:, None]
+    if parts is None:
+        return tol[:, 0], lse_tol[:, 0]
+    return _combined(o_e, l_e, tol, lse_tol, f64(out_e), f64(lse_e))
+
+
+def _keys_bound(q_row, rec, sm_scale, lse_e):
+    """The absolute terms of ``sparse_mla_bound`` for one (row, split): q_row [H, 576], rec
+    [n, 656] its unmasked keys' records -> (atol [H], lse_tol [H])."""
+    codes = _e4m3(rec[:, :LATENT_DIM])
+    scales = rec[:, SCALES_OFFSET:ROPE_OFFSET].copy().view(np.float32).astype(np.float64)
+    v = codes * np.repeat(scales.reshape(-1, NUM_SCALES), SCALE_BLOCK, axis=1)
+    rope = f64(jnp.asarray(rec[:, ROPE_OFFSET:].copy().view(np.uint16)).view(jnp.bfloat16))
+    k = np.concatenate([v, rope], axis=1)
+    vmax, cmax = np.abs(v).max(), np.abs(codes).max()
+    score_abs = np.abs(sm_scale) * (np.abs(q_row) @ np.abs(k).T).max(axis=-1)  # [H]
+    atol = 2.0**-10 * vmax + 2.0**-23 * len(rec) * cmax / 256 + 2.0**-18 * score_abs * vmax
+    return atol, 2.0**-20 * (np.abs(lse_e) + score_abs) + 2.0**-20
+
+
+def _combined(o_parts, lse_parts, tol, lse_tol, out_e, lse_e):
+    """The combine of partials each within (tol, lse_tol) of the emulation's: a partial's LSE
+    off by at most ``D = max lse_tol`` moves the normalized weights by a factor within
+    ``exp(+-2D)``, so ``|out_k - out_e| <= exp(2D) max_s tol_s + (exp(2D) - 1) max_s |o_s|``
+    plus the combine's own ``merge_bound``; ``|lse_k - lse_e| <= D`` plus the combine's. Maxima
+    over the splits with keys (finite LSE; the others have weight 0 in both)."""
+    live = np.isfinite(lse_parts)  # [n_q, S, H]
+    d = np.max(np.where(live, lse_tol, 0.0), axis=1)[..., None]  # [n_q, H, 1]
+    grow = np.exp(2 * d)
+    o_max = np.max(np.where(live[..., None], np.abs(np.nan_to_num(o_parts)), 0.0), axis=1)
+    t_max = np.max(np.where(live[..., None], tol, 0.0), axis=1)
+    m_tol, m_lse_tol = merge_bound(o_parts, lse_parts, out_e, lse_e)
+    return m_tol + grow * t_max + (grow - 1) * o_max, m_lse_tol + d[..., 0]
 
 
 # ---------------------------------------------------------------------------------------------

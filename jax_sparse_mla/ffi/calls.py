@@ -30,6 +30,7 @@ from jax_sparse_mla.kernels.gfx950.configs import kernel_group_size
 from jax_sparse_mla.kernels.gfx950_model import (
     MI355X_CUS,
     mla_decode_splits,
+    sparse_mla_splits,
     ultraquant_partitions,
 )
 
@@ -110,22 +111,36 @@ def sparse_mla_unsupported(q, kv, idx, indptr, sm_scale, *, return_lse=False) ->
 
 
 def sparse_mla_configurations(q, kv, idx, indptr, sm_scale, *, return_lse=False):
-    return configs.sparse_mla_launches(q.shape[1], return_lse)
+    return configs.sparse_mla_launches(q.shape[1], return_lse, default_sparse_splits(q, idx))
+
+
+def default_sparse_splits(q, idx) -> int:
+    """Key splits per row that fill the GPU's CUs (``device_cus``): one workgroup per (row,
+    split, group of 16 heads), at most one split per 64 entries of the mean row
+    (``sparse_mla_splits``; static: from the shapes of q and idx)."""
+    return sparse_mla_splits(q.shape[0], q.shape[1], idx.shape[0], device_cus())
 
 
 def sparse_mla_flydsl(q, kv, idx, indptr, sm_scale, *, return_lse: bool):
     """q [n_q, H, 576] bf16, kv [..., 656] u8, idx [nnz] / indptr [n_q + 1] int32 ->
-    (out [n_q, H, 512] bf16, lse [n_q, H] f32 or None). Any H (groups of <= 16 heads)."""
+    (out [n_q, H, 512] bf16, lse [n_q, H] f32 or None). Any H (groups of <= 16 heads). With
+    S = ``default_sparse_splits`` > 1 the kernel writes bf16 partials [n_q, S, H, 512] and
+    their LSEs, merged by the combine kernel; S = 1 writes the output itself."""
     _require(sparse_mla_unsupported(q, kv, idx, indptr, sm_scale), "sparse_mla")
     n_q, heads, _ = q.shape
-    results = [jax.ShapeDtypeStruct((n_q, heads, LATENT_DIM), jnp.bfloat16)]
-    if return_lse:
-        results.append(jax.ShapeDtypeStruct((n_q, heads), jnp.float32))
+    splits = default_sparse_splits(q, idx)
+    results = [jax.ShapeDtypeStruct((n_q, splits, heads, LATENT_DIM), jnp.bfloat16)]
+    if return_lse or splits > 1:
+        results.append(jax.ShapeDtypeStruct((n_q, splits, heads), jnp.float32))
     records = kv.reshape(-1, RECORD_BYTES)
     res = _call(
         "jsm_sparse_mla", results, q, records, idx, indptr, sm_scale=np.float32(_static(sm_scale))
     )
-    return res[0], (res[1] if return_lse else None)
+    if splits > 1:
+        out, lse = merge_attn_states_flydsl(*res)
+    else:
+        out, lse = res[0][:, 0], (res[1][:, 0] if return_lse else None)
+    return out, (lse if return_lse else None)
 
 
 # ---------------------------------------------------------------------------------------------

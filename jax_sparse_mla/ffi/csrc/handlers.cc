@@ -129,7 +129,11 @@ struct Grid {
   const char* x_is;    // what x is, for the error message
 };
 
-Grid SparseMlaGrid(int64_t n_q) { return {n_q, 1, 1, kSparseMlaThreads, "n_q"}; }
+// One workgroup per (row, split, head group), whole rounds of 8 (one per XCD) per group.
+Grid SparseMlaGrid(int64_t n_q, int64_t splits, int64_t groups) {
+  return {8 * groups * ((n_q * splits + 7) / 8), 1, 1, kSparseMlaThreads,
+          "8 * head groups * ceil(n_q * S / 8)"};
+}
 
 Grid MlaDecodePartialsGrid(int64_t batch, int64_t heads, int64_t splits, int64_t qlen) {
   const int64_t head_groups = (heads * qlen + 15) / 16;  // 16 query rows per CTA
@@ -169,7 +173,9 @@ const char* Ptr(const AnyBuffer& b, int64_t byte_offset = 0) {
 }
 
 // ------------------------------------------------------------------------------------------
-// sparse_mla: one launch per group of <= 16 heads (q, out, lse offset by the group's first head).
+// sparse_mla: per (row, split, group of 16 heads) one workgroup. One launch serves the full groups
+// (configuration h16), a second the remainder of H % 16 heads (q, out, lse offset by its first
+// head). out / lse are [n_q, S, H(, 512)]: S = 1 the result, S > 1 the partials of the combine.
 // ------------------------------------------------------------------------------------------
 
 Error SparseMla(void* stream, int32_t device, AnyBuffer q, AnyBuffer kv, AnyBuffer idx,
@@ -182,27 +188,37 @@ Error SparseMla(void* stream, int32_t device, AnyBuffer q, AnyBuffer kv, AnyBuff
   JSM_CHECK(Expect(T, "kv", kv, DataType::U8, {-1, kRecordBytes}, "[rows, 656]"));
   JSM_CHECK(Expect(T, "idx", idx, DataType::S32, {-1}, "[nnz]"));
   JSM_CHECK(Expect(T, "indptr", indptr, DataType::S32, {n_q + 1}, Shape({nq + " + 1"})));
-  JSM_CHECK(Expect(T, "out", *out, DataType::BF16, {n_q, heads, kLatentDim}, Shape({nq, h, "512"})));
+  JSM_CHECK(Expect(T, "out", *out, DataType::BF16, {n_q, -1, heads, kLatentDim},
+                   Shape({nq, "S", h, "512"})));
+  const int64_t splits = out->dimensions()[1];
+  const auto ss = std::to_string(splits);
   if (rest.size() > 1) {
     return Error::InvalidArgument(std::string(T) + ": expects 1 or 2 results (out[, lse]), got " +
                                   std::to_string(1 + rest.size()));
   }
   const bool with_lse = rest.size() == 1;
+  if (splits < 1 || (splits > 1 && !with_lse)) {
+    return Error::InvalidArgument(std::string(T) + ": S = " + ss + " splits: needs S >= 1, and "
+                                  "the lse result when S > 1 (the combine's weights)");
+  }
   const void* lse = nullptr;
   if (with_lse) {
     auto r = rest.get<AnyBuffer>(0);
     if (!r.has_value()) return r.error();
-    JSM_CHECK(Expect(T, "lse", **r, DataType::F32, {n_q, heads}, Shape({nq, h})));
+    JSM_CHECK(Expect(T, "lse", **r, DataType::F32, {n_q, splits, heads}, Shape({nq, ss, h})));
     lse = (*r)->untyped_data();
   }
   const int64_t nnz = idx.dimensions()[0];
-  JSM_CHECK(Limit(T, "n_q", n_q, kInt32Max));
+  const int64_t full = heads / kSparseMaxHeads, rem = heads % kSparseMaxHeads;
+  JSM_CHECK(Limit(T, "n_q * S", n_q * splits, kInt32Max - 7));
   JSM_CHECK(Limit(T, "nnz", nnz, (int64_t{1} << 30) - 1));  // a row holds < 2^30 entries
   JSM_CHECK(Limit(T, "q elements per row", heads * kKvDim, kInt32Max));
-  JSM_CHECK(CheckGrid(T, SparseMlaGrid(n_q)));
+  JSM_CHECK(CheckGrid(T, SparseMlaGrid(n_q, splits, std::max<int64_t>(full, 1))));
   const int64_t kv_rows = std::min(kv.dimensions()[0], kInt32Max);  // idx cannot reach further
-  for (int64_t h0 = 0; h0 < heads && n_q > 0; h0 += kSparseMaxHeads) {
-    const int64_t group = std::min(kSparseMaxHeads, heads - h0);
+  // (first head, heads per workgroup, head groups) of each launch
+  const int64_t launches[2][3] = {{0, kSparseMaxHeads, full}, {full * kSparseMaxHeads, rem, 1}};
+  for (const auto& [h0, group, groups] : launches) {
+    if (n_q == 0 || group == 0 || groups == 0) continue;
     const std::string symbol = "jsm_sparse_mla_h" + std::to_string(group) + "_l" +
                                (with_lse ? "1" : "0");
     LaunchArgs args;
@@ -212,8 +228,9 @@ Error SparseMla(void* stream, int32_t device, AnyBuffer q, AnyBuffer kv, AnyBuff
         .Tensor("IPTR", indptr.untyped_data(), indptr.element_count())
         .Tensor("OUT", Ptr(*out, h0 * kLatentDim * 2), out->element_count() - h0 * kLatentDim)
         .Tensor("LSE", lse ? static_cast<const char*>(lse) + h0 * 4 : nullptr,
-                lse ? n_q * heads - h0 : 0)
+                lse ? n_q * splits * heads - h0 : 0)
         .I32("n_q", n_q).I32("nnz", nnz).I32("kv_rows", kv_rows)
+        .I32("num_splits", splits).I32("head_groups", groups)
         .I32("q_row_stride", heads * kKvDim).I32("q_head_stride", kKvDim)
         .I32("out_row_stride", heads * kLatentDim).I32("out_head_stride", kLatentDim)
         .I32("lse_row_stride", heads).F32("sm_scale", sm_scale).Stream(stream);
@@ -445,15 +462,15 @@ Error DsReadTrProbe(void* stream, int32_t device, AnyBuffer lds, AnyBuffer addrs
 #ifdef JSM_RECORDING
 // For the CPU tests: `target`'s launch grid (x, y, z workgroups, threads per workgroup) for
 // its quantities `q` and the handler's grid check (no handler call reaches the HSA limit with
-// less than 8 GiB of buffers). q: jsm_sparse_mla {n_q}; jsm_mla_decode_partials {B, H, S, qlen};
-// jsm_mla_decode_combine {n, H}; jsm_ultraquant_partials {B, Hk, P}; jsm_ultraquant_reduce
-// {B, Hq}. Writes the check's message (empty when it passes) to `message`; returns -1 for an
-// unknown target, else 0.
+// less than 8 GiB of buffers). q: jsm_sparse_mla {n_q, S, head groups};
+// jsm_mla_decode_partials {B, H, S, qlen}; jsm_mla_decode_combine {n, H};
+// jsm_ultraquant_partials {B, Hk, P}; jsm_ultraquant_reduce {B, Hq}. Writes the check's
+// message (empty when it passes) to `message`; returns -1 for an unknown target, else 0.
 extern "C" __attribute__((visibility("default"))) int jsm_record_grid(
     const char* target, const int64_t* q, int64_t* grid, char* message, size_t capacity) {
   const std::string t(target);
   jsm::Grid g;
-  if (t == "jsm_sparse_mla") g = jsm::SparseMlaGrid(q[0]);
+  if (t == "jsm_sparse_mla") g = jsm::SparseMlaGrid(q[0], q[1], q[2]);
   else if (t == "jsm_mla_decode_partials") g = jsm::MlaDecodePartialsGrid(q[0], q[1], q[2], q[3]);
   else if (t == "jsm_mla_decode_combine") g = jsm::MlaDecodeCombineGrid(q[0], q[1]);
   else if (t == "jsm_ultraquant_partials") g = jsm::UltraquantPartialsGrid(q[0], q[1], q[2]);

@@ -59,12 +59,16 @@ def symbols() -> dict[str, tuple[str, ...]]:
     }
 
 
-def sparse_mla_launches(heads: int, return_lse: bool) -> tuple[str, ...]:
-    """The configurations one ``sparse_mla`` call of ``heads`` heads launches: one per group
-    of up to 16 heads (the handler's order), each once."""
-    groups = [SPARSE_MLA_MAX_HEADS] * (heads // SPARSE_MLA_MAX_HEADS)
+def sparse_mla_launches(heads: int, return_lse: bool, splits: int = 1) -> tuple[str, ...]:
+    """The configurations one ``sparse_mla`` call of ``heads`` heads and ``splits`` key splits
+    per row launches, in the handler's order: one launch for the full groups of 16 heads, one
+    for a remainder of ``heads % 16``; then the combine when ``splits > 1`` (the partials
+    always carry their LSE then)."""
+    lse = int(return_lse or splits > 1)
+    groups = [SPARSE_MLA_MAX_HEADS] if heads >= SPARSE_MLA_MAX_HEADS else []
     groups += [heads % SPARSE_MLA_MAX_HEADS] if heads % SPARSE_MLA_MAX_HEADS else []
-    return tuple(dict.fromkeys(f"jsm_sparse_mla_h{h}_l{int(return_lse)}" for h in groups))
+    kernels = tuple(f"jsm_sparse_mla_h{h}_l{lse}" for h in groups)
+    return kernels + ((MLA_DECODE_COMBINE,) if splits > 1 else ())
 
 
 MLA_DECODE_COMBINE = "jsm_mla_decode_combine"

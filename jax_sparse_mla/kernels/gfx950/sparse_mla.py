@@ -1,55 +1,103 @@
 """gfx950 (MI355) FlyDSL kernel: sparse MLA forward over fp8_ds_mla records (docs/formats.md).
 
-For query row ``r`` and head ``h`` (``H = num_heads <= 16`` heads per launch) the kernel computes
-``out[r, h] = softmax_k(sm_scale * q[r, h]·K_k) @ V_k`` over the keys ``k = idx[p]``,
-``p in [indptr[r], indptr[r + 1])``, with K = latent ‖ rope (576) and V = latent (512) read from
-656-byte records (512 e4m3fn codes | 4 f32 per-128 scales | 64 bf16 rope), and optionally the
-natural-log LSE. ``jax_sparse_mla.emulation.sparse_mla`` mirrors this arithmetic in jax.
+For query row ``r`` and head ``h`` the kernel computes ``softmax_k(sm_scale q[r, h]·K_k) @ V_k``
+over one split of the row's keys ``k = idx[p]``, ``p in [indptr[r], indptr[r + 1])``, with
+K = latent ‖ rope (576) and V = latent (512) read from 656-byte records (512 e4m3fn codes | 4
+f32 per-128 scales | 64 bf16 rope), and the split's natural-log LSE. With one split (S = 1)
+that is the result; with S > 1 the bf16 partials and f32 LSEs go to the combine kernel
+(``mla_decode.py``'s ``jsm_mla_decode_combine``). ``jax_sparse_mla.emulation.sparse_mla``
+mirrors this arithmetic in jax.
 
-Arithmetic, exactly (``c = sm_scale * f32(log2 e)``, all f32 unless said otherwise):
+Arithmetic, exactly (all f32 unless said otherwise; ``L = f32(log2 e)``):
 
 * Positions: ``[b, e)`` with ``b, e = clamp(indptr[r], indptr[r + 1], 0, nnz)`` (so ``e >= b``);
-  a key is masked when its position is ``>= e`` or its entry is outside ``[0, kv_rows)`` (one
-  unsigned compare). Tiles of 128 positions from ``b``; the tiles after the last unmasked entry
-  are skipped (a scan of the row's indices, so -1 padding costs no tile), which changes no
-  arithmetic.
+  split ``s`` of ``S`` covers ``[b + lo, b + hi)``, ``lo = min(s c, e - b)``,
+  ``hi = min(lo + c, e - b)``, ``c = 64 ceil((e - b) / (64 S))`` (whole 64-key chunks; the
+  last splits short or empty). A key is masked when its position is outside the split or its
+  entry is outside ``[0, kv_rows)`` (one unsigned compare). Tiles of 128 positions from the
+  split's start; the tiles after its last unmasked entry are skipped (a scan of its indices,
+  so -1 padding costs no tile), which changes no arithmetic.
 * Q, per (head, 128-dim block j of the latent): ``e = exponent bits of max|q|``,
   ``s_hi = max(e - 7, 6)`` (E8M0, so ``max|q| * 2^(127 - s_hi)`` is in [128, 256)),
   ``x = q * 2^(127 - s_hi)``, ``hi = e4m3(x)``, ``lo = e4m3((x - hi) * 32)`` (RNE, OCP e4m3fn),
   ``s_lo = s_hi - 5``. For bf16 q with ``|x| >= 2^-7`` this split is exact: ``hi + lo/32 = x``.
 * Scores: ``S = sum_j (hi_j·code_j 2^(s_hi-127) + lo_j·code_j 2^(s_lo-127)) 2^(E_j-127)
   + q_rope·k_rope`` (scaled fp8 MFMA 16x16x128 with the record scale's exponent bits ``E_j`` as
-  E8M0 scale_a, bf16 MFMA for the rope; f32 accumulation), ``s = S * c`` (log2 units), masked
-  keys ``s = -1e30``.
-* Online softmax per 128-token tile: ``m' = max(m, max_tile s)``, ``alpha = exp2(m - m')``,
-  ``P = exp2(s - max(m' - 8, -1e20))`` (so ``P <= 2^8``), ``l' = l alpha + sum P``,
-  ``O' = O alpha + sum P' V`` where ``P' = f16(P * sv)`` and ``sv`` is the record's f32 scale of
-  the output dims' block, clamped to f32 bits [1, 2^7] (a larger scale is the documented,
-  inexact clamp), and V the raw e4m3 codes (exact in f16; f16 MFMA, f32 accumulation).
-* ``out = bf16(O * (1 / l))`` (RNE), 0 when ``l == 0``; ``lse = (m + log2 l - 8) ln 2``, -inf
-  when ``l == 0``. ``exp2`` / ``log2`` are the hardware ``v_exp_f32`` / ``v_log_f32``.
+  E8M0 scale_a, bf16 MFMA for the rope; f32 accumulation); ``t = S * sign`` (exact; ``sign =
+  -1`` for ``sm_scale < 0``, else 1), masked keys ``t = -inf``. The scale enters only after
+  the running max is subtracted, so every finite sm_scale (0, negative, or one whose
+  ``sm_scale S`` overflows f32) gives finite weights.
+* Online softmax per 128-token tile, ``w(x) = exp2(((x - m_ref) |sm_scale|) L)``:
+  ``m' = max(m, max_tile t)`` (``m = -inf`` at first), ``m_ref = m'`` (0 while every key is
+  masked), ``alpha = w(m)`` (0 for ``m = -inf``), ``P = w(t) 2^8`` (0 for ``t = -inf``; so
+  ``P <= 2^8``), ``l' = l alpha + sum P``, ``O' = O alpha + sum P' V`` where
+  ``P' = f16(P * sv)`` and ``sv`` is the record's f32 scale of the output dims' block, clamped
+  to f32 bits [1, 2^7] (a larger scale is the documented, inexact clamp), and V the raw e4m3
+  codes (exact in f16; f16 MFMA, f32 accumulation).
+* ``o = bf16(O * (1 / l))`` (RNE), 0 when ``l == 0``; ``lse = ((m |sm_scale|) L + log2 l - 8)
+  ln 2`` (+inf only where the exact LSE is past f32's range), -inf when ``l == 0``.
+  ``exp2`` / ``log2`` are the hardware ``v_exp_f32`` / ``v_log_f32``; no product above is
+  contracted into an FMA (the ISA has none there).
+* S > 1: o and lse per split go to ``o_parts`` [n_q, S, H, 512] bf16 and ``lse_parts``
+  [n_q, S, H]; the combine writes ``bf16(sum_s w_s o_s / sum_s w_s)``, ``w_s = exp2((lse_s -
+  max lse) L)``. Its price in accuracy: one more bf16 rounding, of each partial (at most
+  2^-8 of ``|o_s|``; their weighted mean is at most 2^-8 of ``sum_s w_s |o_s| / sum w``, so
+  about doubling the final rounding's 2^-8 ``|o|`` unless the splits' outputs cancel), and the
+  combine's f32 weights (a few 2^-24 relative). ``emulation/bounds.py``'s ``sparse_mla_bound``
+  carries each partial's bound through the combine.
 
-Work decomposition: one 4-wave (256-thread) workgroup per query row, rows issued in reverse
-(block ``i`` serves row ``n_q - 1 - i``: long causal tails start first). Per tile, wave ``w``
-computes the scores of tokens ``[32w, 32w + 32)`` for all heads, the tile max goes through LDS,
-and wave ``w`` accumulates output dims ``[128w, 128w + 128)`` (one record scale block, so its
-V scale folds into P') over all 128 tokens. The latent tile reaches LDS by ``global_load_lds``
-DMA from 64-bit per-lane record addresses (wave ``w`` loads latent bytes ``[128w, 128w + 128)``
-of every token, right after its own PV reads of the previous tile); scale and rope words are
-plain 64-bit global loads one tile ahead; V is read with ``ds_read_b64_tr_b8`` (assumed
-semantics: within each 16-lane row, destination lane ``t`` byte ``k`` is source lane
-``2k + t // 8``'s byte ``t % 8``: AMD's documented semantics, probe.py; an MI355 checks it by
+Work decomposition: a 4-wave (256-thread) workgroup per (row, split, group of 16 heads). The
+split count S is fixed at trace time from the static shapes (``ffi.calls.default_sparse_splits``,
+``gfx950_model.sparse_mla_splits``): ``S = max(1, min(ceil(nnz / n_q / 64), ceil(CUs / (n_q
+G))))``, G = ceil(H / 16): the GPU is filled while every split keeps at least a 64-key chunk of
+the mean row. Work item ``i`` (row ``n_q - 1 - i // S``: long causal tails start first, split
+``i % S``) runs as G workgroups ``8 (G k + hg) + x`` for ``i = 8 k + x``: block ids go to the 8
+XCDs round-robin (block id mod 8 = XCD, assumed, as ``mla_decode.py`` assumes), so the G
+head-group workgroups of one (row, split) run on one XCD at about the same time: HBM serves each
+record of the split about once and the other G - 1 requests hit that XCD's L2. Requests are G x
+the minimum (the stated bound; ``gfx950_model``), HBM traffic about 1x. Grid
+``8 G ceil(n_q S / 8)``: the items past ``n_q S`` have no keys and store nothing.
+
+Why not all heads in one workgroup (one request per record): 128 heads of q and O per CU would
+need, at this kernel's layout (per 16 heads and lane: 64 VGPRs of q hi / lo, 8 of rope, 32 of
+O), 832 VGPRs per lane at 4 waves (512 is the most) or all 16 waves of a CU at 208 each before
+any score, P or address register, with one workgroup per CU and no second one to hide the
+gather; staging q in LDS instead takes 128 x 576 x 2 = 144 KiB of the 160 KiB beside the 64 KiB
+tile. The XCD-local head groups get the HBM traffic to about 1x without that.
+
+Per tile, wave ``w`` computes the scores of tokens ``[32w, 32w + 32)`` for all heads, the tile
+max goes through LDS, and wave ``w`` accumulates output dims ``[128w, 128w + 128)`` (one record
+scale block, so its V scale folds into P') over all 128 tokens. The latent tile reaches LDS by
+``global_load_lds`` DMA from 64-bit per-lane record addresses (wave ``w`` loads latent bytes
+``[128w, 128w + 128)`` of every token, right after its own PV reads of the previous tile);
+scale and rope words are plain 64-bit global loads one tile ahead, index entries two tiles
+ahead; V is read with ``ds_read_b64_tr_b8`` (assumed semantics: within each 16-lane row,
+destination lane ``t`` byte ``k`` is source lane ``2k + t // 8``'s byte ``t % 8``: AMD's
+documented semantics, probe.py; an MI355 checks it by
 ``tests/test_gfx950.py::test_ds_read_b64_tr_b8_lane_map``). Masked keys are never read: their
 DMA lanes are switched off (the tile keeps zeros from the prologue or an earlier valid record,
 multiplied by ``P' = 0``) and their scale / rope loads read the query's own row. Index reads
-go through a buffer descriptor over ``idx[b:nnz]``, so a tail tile never reads past ``idx``.
+go through a buffer descriptor over ``idx[split start:nnz]``, so a tail tile never reads past
+``idx``. A split of 64 keys runs one tile whose second half is masked (no bytes, half the MFMA
+work idle); going to 64-key tiles would halve that but every lane map and the 4-wave split of
+the tile's tokens with it.
+
+Prefetch, and what a second tile buffer would cost: the next tile's DMA is issued midway
+through this tile's PV (each wave refills its own column block after its last read of it) and
+waited for at the next tile's top; a double-buffered 128-key tile would issue it a whole tile
+earlier but add 65536 B to the 76160 B (H = 16): 141696 B, one workgroup per CU instead of two,
+and the second workgroup is what overlaps one workgroup's gather with another's MFMAs today
+(at decode shapes a split is 1 to 3 tiles, so a workgroup's first gather, which no buffer
+hides, is most of its wait). Kept single-buffered.
 
 Assumed MFMA operand layouts (lane ``16 G + i`` holds row i of A and column i of B): the scaled
 fp8 16x16x128 takes bytes 0-15 at K ``16 G + [0, 16)`` and 16-31 at ``64 + 16 G + [0, 16)``,
 the E8M0 scale of K group ``K // 32`` from lane ``16 (K // 32) + i``; the bf16 / f16 16x16x32
 take elements ``8 G + [0, 8)``; result lane ``16 G + j`` holds rows ``4 G + [0, 4)`` of column
 j. Every lane address map is a module-level integer helper (``_q_dim`` .. ``_pv_at``), which
-``tests/test_emulation_sparse_mla.py::test_kernel_layout`` runs through one tile.
+``tests/test_emulation_sparse_mla.py::test_kernel_layout`` runs through one tile; the block-id
+map and the splits (``_work_item``, ``_split_range``, ``_grid_x``) are checked by
+``test_work_items_and_splits``.
 
 LDS (bytes; the small regions first, so that every offset fits a DS immediate): f32 record
 scale words [wave][block][32 tokens] at 0; tile maxima, then the final l, [16 heads][4 waves] at
@@ -58,7 +106,7 @@ scale words [wave][block][32 tokens] at 0; tile maxima, then the final l, [16 he
 which 16-B chunk ``c`` of token ``t`` sits at chunk ``c ^ f(t)``,
 ``f(t) = ((t >> 1) & 7) ^ (((t >> 4) & 1) << 1)``. 76160 B at H = 16: two workgroups fit a CU's
 160 KiB at every H. Design occupancy: 2 waves per SIMD (``waves_per_eu`` 2, so
-<= 256 VGPR + AGPR per lane; every configuration compiles to 249-251 VGPRs, no AGPR, no
+<= 256 VGPR + AGPR per lane; every configuration compiles to 249-250 VGPRs, no AGPR, no
 spill, no scratch).
 
 Launch ABI (``launch(*tensors, *scalars, stream)``; the packed ``void **args`` holds per tensor
@@ -70,16 +118,20 @@ Launch ABI (``launch(*tensors, *scalars, stream)``; the packed ``void **args`` h
 1. ``kv``: uint8 records, record ``i`` at byte ``656 i`` (64-bit addressing, may exceed 4 GiB).
 2. ``idx``: int32 ``[nnz]``.
 3. ``indptr``: int32 ``[n_q + 1]`` for the launch's rows.
-4. ``out``: bf16; row ``r`` head ``h`` at ``r * out_row_stride + h * out_head_stride``, 512 dims.
-5. ``lse``: f32; row ``r`` head ``h`` at ``r * lse_row_stride + h`` (not written without LSE).
+4. ``out``: bf16; split ``s`` of row ``r``, head ``h`` at ``(r S + s) * out_row_stride +
+   h * out_head_stride``, 512 dims (``[n_q, S, H, 512]``).
+5. ``lse``: f32; split ``s`` of row ``r``, head ``h`` at ``(r S + s) * lse_row_stride + h``
+   (not written by the ``_l0`` configurations, which serve S = 1 without LSE only).
 
-Scalars, in order: ``n_q`` (int32, rows of this launch, > 0: the grid), ``nnz`` (int32),
-``kv_rows`` (int32, number of records, clamped to 2^31 - 1), ``q_row_stride``,
-``q_head_stride``, ``out_row_stride``, ``out_head_stride``, ``lse_row_stride`` (int32,
-elements), ``sm_scale`` (f32). Grid ``(n_q, 1, 1)``, block ``(256, 1, 1)``, static LDS.
-Heads beyond 16: the wrapper launches one configuration per group of <= 16 heads, with ``q``,
-``out`` and ``lse`` offset by the group's first head, the full tensors' strides, and the same
-CSR and cache; the groups' arithmetic is independent.
+Scalars, in order: ``n_q`` (int32, rows, > 0), ``nnz`` (int32), ``kv_rows`` (int32, number of
+records, clamped to 2^31 - 1), ``num_splits`` S (int32, >= 1), ``head_groups`` G (int32,
+>= 1: workgroup head group ``hg`` serves heads ``hg H + [0, H)`` of the launch's q / out /
+lse), ``q_row_stride``, ``q_head_stride``, ``out_row_stride``, ``out_head_stride``,
+``lse_row_stride`` (int32, elements), ``sm_scale`` (f32). Grid ``(8 G ceil(n_q S / 8), 1,
+1)``, block ``(256, 1, 1)``, static LDS. The handler launches configuration h16 once for the
+``H // 16`` full head groups and, for ``H % 16`` more heads, that configuration once with
+``q``, ``out`` and ``lse`` offset by its first head (the full tensors' strides, the same CSR
+and cache); the groups' arithmetic is independent.
 
 Details decided here (where the reference design it started from, a gfx950 kernel outside this
 repository, is silent or differs): ``s_hi >= 6`` (the reference clamps at 1 and leaves the lo
@@ -89,10 +141,10 @@ NaN); P goes through LDS once as f32 and each wave applies its own block's V sca
 reference stores four f16 copies, 16 KiB at H = 16, one workgroup per CU); ``l == 0`` (not ``l
 <= 0``) marks a row without keys, so NaN propagates; the CSR slice is clamped to ``[0, nnz]``;
 ``sm_scale`` (not ``sm_scale log2 e``), an LSE row stride and 64-bit q / out addressing are
-launch arguments.
+launch arguments; the scale is applied after the running max.
 Preconditions the host does not check: record scales are powers of two (the kernel takes their
-exponent as the E8M0 scale) and <= 2^7 (else V is clamped); q is finite; a row holds < 2^30
-entries.
+exponent as the E8M0 scale) and <= 2^7 (else V is clamped); q is finite and ``|q·K| < 2^127``
+(differences of scores stay finite); a row holds < 2^30 entries.
 """
 
 import dataclasses
@@ -139,6 +191,7 @@ from jax_sparse_mla.kernels.gfx950.configs import SPARSE_MLA_MAX_HEADS as MAX_HE
 
 RECORD_BYTES = 656
 TILE = 128  # tokens per tile
+SPLIT_KEYS = 64  # a split is whole 64-position chunks of its row (the last one short)
 THREADS = SPARSE_MLA_THREADS  # 4 waves of 64
 SCALE_OFF = 512  # record byte offsets
 ROPE_OFF = 528
@@ -151,9 +204,9 @@ LDS_SINK = LDS_MAX + MAX_HEADS * 4 * 4  # P stores of heads >= H
 LDS_P = LDS_SINK + 32  # f32 P [wave][lane group][H][8 tokens], then the latent tile
 LATENT_BYTES = 4 * TILE * 128  # 4 column blocks of [128 tokens][128 B]
 
-P_SHIFT = 8.0  # P = exp2(s - m + 8) <= 2^8
-NEG_BIG = -1.0e30  # masked score
-M_FLOOR = -1.0e20  # exp2(NEG_BIG - M_FLOOR) = 0 while every key so far is masked
+P_SHIFT = 8.0  # P = 2^8 exp2(...) <= 2^8, and the LSE takes the 8 off again
+P_SCALE = 2.0**P_SHIFT
+NEG_INF = float("-inf")  # masked score
 SCALE_CAP_BITS = 0x43000000  # f32 bits of 2^7
 WAVES_PER_EU = 2
 
@@ -194,6 +247,11 @@ CONFIGS: tuple[Config, ...] = tuple(
 # ---------------------------------------------------------------------------------------------
 # Small device helpers (straight-line code; control flow lives in the kernel body)
 # ---------------------------------------------------------------------------------------------
+
+
+def _weight(t, m_ref, scale) -> fx.Float32:
+    """``exp2(((t - m_ref) |sm_scale|) log2 e)``: finite for every finite sm_scale."""
+    return exp2(((t - m_ref) * scale) * LOG2E)
 
 
 def _e8m0_scale(amax) -> tuple:
@@ -377,6 +435,33 @@ def _pv_at(p_rd, sv_rd, kk, s, heads) -> tuple:
     return p_rd + ((8 * hf + sub) * heads * 32 + 16 * s), sv_rd + (1024 * hf + 16 * sub + 64 * s)
 
 
+def _work_item(bid, groups) -> tuple:
+    """(work item, head group) of workgroup ``bid``: XCD ``x = bid % 8`` serves items
+    ``x, x + 8, ...``, each as ``groups`` consecutive workgroups of the XCD (block ids
+    ``8 (groups k + hg) + x``), so the head groups of one (row, split) share that XCD's L2."""
+    k = bid >> 3
+    return (k // groups) * 8 + (bid & 7), k % groups
+
+
+def _split_range(length, split, splits) -> tuple:
+    """Positions ``[lo, hi)`` (from the row's first) of split ``split`` of a row of ``length``
+    entries: chunks of ``c = 64 ceil(length / (64 splits))``, the last ones short or empty."""
+    per = SPLIT_KEYS * splits
+    chunk = ((length + (per - 1)) // per) * SPLIT_KEYS
+    lo = _min(split * chunk, length)
+    return lo, _min(lo + chunk, length)
+
+
+def _min(a, b):
+    """min of two Python ints or two kernel values."""
+    return min(a, b) if isinstance(a, int) and isinstance(b, int) else fx.min(a, b)
+
+
+def _grid_x(n_q, splits, groups):
+    """Workgroups of a launch: ``8 groups ceil(n_q splits / 8)`` (whole rounds of 8 items)."""
+    return 8 * groups * ((n_q * splits + 7) // 8)
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernel
 # ---------------------------------------------------------------------------------------------
@@ -405,6 +490,8 @@ def build_launcher(config: Config):
         n_q: fx.Int32,
         nnz: fx.Int32,
         kv_rows: fx.Int32,
+        num_splits: fx.Int32,
+        head_groups: fx.Int32,
         q_row_stride: fx.Int32,
         q_head_stride: fx.Int32,
         out_row_stride: fx.Int32,
@@ -417,19 +504,30 @@ def build_launcher(config: Config):
         lane = tid & 63
         t = lane & 15  # QK: token row of the sub-tile; S / P / O: head
         g = lane >> 4  # lane group
-        qi = uniform(n_q - 1 - fx.Int32(fx.block_idx.x))  # long rows first
-        c_log2 = sm_scale * LOG2E
+        item, hg = _work_item(fx.Int32(fx.block_idx.x), head_groups)
+        item_ok = item < n_q * num_splits
+        item = fx.min(item, n_q * num_splits - 1)
+        row_item = item // num_splits
+        split = uniform(item - row_item * num_splits)
+        qi = uniform(n_q - 1 - row_item)  # long rows first
+        out_i = qi * num_splits + split  # row of out / lse: [n_q, S, ...]
+        # scores t = sign(sm_scale) S; scaled by |sm_scale| log2 e only after the max is off
+        sign = (sm_scale < 0.0).select(fx.Float32(-1.0), fx.Float32(1.0))
+        scale = abs(sm_scale)
 
         q_base, kv_base, idx_base = base_address(Q), base_address(KV), base_address(IDX)
         ip_base, out_base, lse_base = base_address(IPTR), base_address(OUT), base_address(LSE)
         lds = fx.SharedAllocator().allocate(Smem).peek()
         base = uniform(fx.ptrtoint(lds.raw.ptr))
 
-        # ---- this row's CSR slice, clamped to [0, nnz]
+        # ---- this split's slice of the row's CSR slice (clamped to [0, nnz]); no keys for a
+        # work item past the last (the grid's rounding to whole XCD rounds)
         bounds = load_global(ip_base + fx.Int64(qi) * 4, 2, align=4)
-        r_beg = fx.min(fx.max(uniform(bounds[0]), fx.Int32(0)), nnz)
-        r_end = fx.min(fx.max(uniform(bounds[1]), r_beg), nnz)
-        r_len = r_end - r_beg
+        row_beg = fx.min(fx.max(uniform(bounds[0]), fx.Int32(0)), nnz)
+        row_len = fx.min(fx.max(uniform(bounds[1]), row_beg), nnz) - row_beg
+        s_lo, s_hi = _split_range(row_len, split, num_splits)
+        r_beg = row_beg + s_lo
+        r_len = item_ok.select(s_hi - s_lo, fx.Int32(0))
         idx_rsrc = buffer_rsrc(
             global_ptr(idx_base + fx.Int64(r_beg) * 4),
             fx.min(fx.Int64(nnz - r_beg) * 4, fx.Int64(BUFFER_NO_LIMIT)),
@@ -456,7 +554,7 @@ def build_launcher(config: Config):
 
         # ---- Q: lane (head t, group g) holds latent blocks g // 2 and 2 + g // 2 as fp8 hi/lo
         h_ok = t < H
-        h = h_ok.select(t, fx.Int32(0))
+        h = hg * H + h_ok.select(t, fx.Int32(0))  # head of the launch's q / out / lse
         q_lane = q_base + (fx.Int64(qi) * fx.Int64(q_row_stride) + fx.Int64(h * q_head_stride)) * 2
         qa, qb = [], []
         for j in range_constexpr(4):
@@ -564,7 +662,7 @@ def build_launcher(config: Config):
         dma(keys(load_raw(dma_pos(tile0)), dma_pos(tile0)))
         side0 = side_loads(keys_q0)
         tile1 = fx.Int32(TILE)
-        state = [fx.Float32(NEG_BIG), fx.Float32(0.0)]
+        state = [fx.Float32(NEG_INF), fx.Float32(0.0)]
         state += [Vec.filled(4, 0.0, fx.Float32) for _ in range(8)]
         state += load_raw(qk_pos(tile1)) + load_raw(dma_pos(tile1)) + side0 + keys_q0
         init = [as_ir(x) for x in state]
@@ -619,12 +717,12 @@ def build_launcher(config: Config):
                 sw = (keys_q[s] >= 0).select(sw, fx.Int32(0))
                 store_lds(ks_wr + 64 * s, sw, 4)
             sl = []
-            tmax = fx.Float32(NEG_BIG)
+            tmax = fx.Float32(NEG_INF)
             for s in range_constexpr(2):
                 live = load_lds(mask_rd + 64 * s, 4)
                 for r in range_constexpr(4):
-                    x = f32(sacc[s][r]) * c_log2
-                    x = (i32(live[r]) != 0).select(x, fx.Float32(NEG_BIG))
+                    x = f32(sacc[s][r]) * sign
+                    x = (i32(live[r]) != 0).select(x, fx.Float32(NEG_INF))
                     sl.append(x)
                     tmax = fmax(tmax, x)
             store_lds(mx_wr, group_max(tmax), 4)
@@ -636,9 +734,12 @@ def build_launcher(config: Config):
             m_new = m_old
             for k in range_constexpr(4):
                 m_new = fmax(m_new, mx[k])
-            alpha = exp2(m_old - m_new)
-            m_ref = fmax(m_new - P_SHIFT, fx.Float32(M_FLOOR))
-            pl = [exp2(x - m_ref) for x in sl]
+            m_ref = (m_new == NEG_INF).select(fx.Float32(0.0), m_new)
+            alpha = (m_old == NEG_INF).select(fx.Float32(0.0), _weight(m_old, m_ref, scale))
+            pl = [
+                (x == NEG_INF).select(fx.Float32(0.0), _weight(x, m_ref, scale) * P_SCALE)
+                for x in sl
+            ]
             psum = fx.Float32(0.0)
             for x in pl:
                 psum = psum + x
@@ -693,20 +794,21 @@ def build_launcher(config: Config):
         l_tot = (f32(lv[0]) + f32(lv[1])) + (f32(lv[2]) + f32(lv[3]))
         has_l = l_tot != 0.0
         inv_l = has_l.select(1.0 / l_tot, fx.Float32(0.0))
-        o_row = fx.Int64(qi) * fx.Int64(out_row_stride)
+        o_row = fx.Int64(out_i) * fx.Int64(out_row_stride)
         o_lane = out_base + (o_row + fx.Int64(h * out_head_stride + w * 128 + 4 * g)) * 2
         res = [
             Vec.from_elements([f32(Vec(fin[2 + dc])[k]) * inv_l for k in range(4)], fx.Float32)
             for dc in range(8)
         ]
-        if h_ok:
+        if item_ok & h_ok:
             for dc in range_constexpr(8):
                 store_global(o_lane + 32 * dc, res[dc].to(fx.BFloat16), 8)
         if const_expr(return_lse):
-            lse2 = f32(fin[0]) + log2(has_l.select(l_tot, fx.Float32(1.0))) - P_SHIFT
+            m_fin = (f32(fin[0]) * scale) * LOG2E
+            lse2 = m_fin + log2(has_l.select(l_tot, fx.Float32(1.0))) - P_SHIFT
             lse = has_l.select(lse2 * LN2, fx.Float32(float("-inf")))
-            lse_at = lse_base + (fx.Int64(qi) * fx.Int64(lse_row_stride) + fx.Int64(t)) * 4
-            if h_ok & (w == 0) & (g == 0):
+            lse_at = lse_base + (fx.Int64(out_i) * fx.Int64(lse_row_stride) + fx.Int64(h)) * 4
+            if item_ok & h_ok & (w == 0) & (g == 0):
                 store_global(lse_at, lse, 4)
 
     @flyc.jit
@@ -720,6 +822,8 @@ def build_launcher(config: Config):
         n_q: fx.Int32,
         nnz: fx.Int32,
         kv_rows: fx.Int32,
+        num_splits: fx.Int32,
+        head_groups: fx.Int32,
         q_row_stride: fx.Int32,
         q_head_stride: fx.Int32,
         out_row_stride: fx.Int32,
@@ -738,13 +842,17 @@ def build_launcher(config: Config):
             n_q,
             nnz,
             kv_rows,
+            num_splits,
+            head_groups,
             q_row_stride,
             q_head_stride,
             out_row_stride,
             out_head_stride,
             lse_row_stride,
             sm_scale,
-        ).launch(grid=(n_q, 1, 1), block=(THREADS, 1, 1), stream=stream)
+        ).launch(
+            grid=(_grid_x(n_q, num_splits, head_groups), 1, 1), block=(THREADS, 1, 1), stream=stream
+        )
 
     launch.compile_hints = {"waves_per_eu": WAVES_PER_EU, "fast_fp_math": False}
     return launch
@@ -760,5 +868,5 @@ def compile_config(config: Config):
     indptr = torch.zeros(n_q + 1, dtype=torch.int32)
     out = torch.zeros(n_q * h * 512, dtype=torch.bfloat16)
     lse = torch.zeros(n_q * h, dtype=torch.float32)
-    scalars = (n_q, 8, 4, h * Q_DIM, Q_DIM, h * 512, 512, h, 576**-0.5)
+    scalars = (n_q, 8, 4, 1, 1, h * Q_DIM, Q_DIM, h * 512, 512, h, 576**-0.5)
     return flyc.compile(build_launcher(config), q, kv, idx, indptr, out, lse, *scalars)
