@@ -6,13 +6,18 @@ path of the kernel's control-flow graph that reaches it, whether an LDS operatio
 is still outstanding (no ``s_waitcnt`` with ``lgkmcnt(0)`` after it) and whether an LDS DMA
 (``global_load_lds_*`` / ``buffer_load_* ... lds``) may still be in flight (no ``vmcnt(0)``
 after it), and the nearest ``s_waitcnt`` or ``ds_*`` before the barrier in program order.
-Pure Python, standard library only.
+Standard library only; ``assemble_kernel`` runs ziglang's clang (the gfx950-build extra).
 """
 
 from __future__ import annotations
 
 import re
+import struct
+import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 _WAIT_FIELD = re.compile(r"(vmcnt|expcnt|lgkmcnt)\((\d+)\)")
 _LABEL = re.compile(r"^([.\w$]+):")
@@ -164,3 +169,32 @@ def count_waits(isa: str, name: str, counter: str, value: int = 0) -> int:
         for block in _blocks(kernel_text(isa, name))[0]
         for ins in block
     )
+
+
+def assemble_kernel(isa: str, name: str) -> bytes:
+    """The machine code of kernel ``name``'s instructions in ``isa``, assembled for gfx950 by
+    ziglang's clang: the bytes a code object built from this ISA holds for the kernel."""
+    code = "\n".join(line for _, line in kernel_text(isa, name))
+    with tempfile.TemporaryDirectory() as tmp:
+        source, obj = Path(tmp) / "k.s", Path(tmp) / "k.o"
+        source.write_text(f"\t.text\n{name}:\n{code}\n")
+        cmd = [sys.executable, "-m", "ziglang", "cc", "-target", "amdgcn-amdhsa-none"]
+        cmd += ["-mcpu=gfx950", "-g0", "-c", str(source), "-o", str(obj)]
+        subprocess.run(cmd, check=True, capture_output=True)
+        return _text_section(obj.read_bytes())
+
+
+def _text_section(elf: bytes) -> bytes:
+    """The ``.text`` bytes of a relocatable ELF64."""
+    (shoff,) = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
+
+    def section(n):
+        return struct.unpack_from("<IIQQQQ", elf, shoff + n * shentsize)
+
+    names = section(shstrndx)[4]
+    for n in range(shnum):
+        name_at, _, _, _, offset, size = section(n)
+        if elf[names + name_at : elf.index(b"\0", names + name_at)] == b".text":
+            return elf[offset : offset + size]
+    raise ValueError("no .text")
