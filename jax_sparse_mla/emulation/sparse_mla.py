@@ -69,6 +69,7 @@ from jax_sparse_mla.reference.sparse_mla import no_keys
 
 TILE = 128  # keys per tile, as in the kernel
 SPLIT_KEYS = 64  # a key split is whole 64-position chunks of its row
+SPLITS_AT_ONCE = 8  # key splits emulated together (the rest in sequence)
 P_SHIFT = 8.0  # P = 2^8 exp2(...) <= 2^8; the LSE takes the 8 off again
 SCALE_CAP_BITS = 0x43000000  # f32 bits of 2^7: V scales are clamped to [bits 1, 2^7]
 LO_SHIFT = 5  # lo = e4m3(32 (x - hi)), E8M0 scale s_hi - 5
@@ -164,11 +165,14 @@ def sparse_mla_partials_gfx950_emulation(
 
     row_start = jnp.clip(indptr[:-1], 0, nnz)
     row_length = jnp.clip(indptr[1:], row_start, nnz) - row_start
-    lo, hi = split_range(row_length[:, None], jnp.arange(num_splits)[None, :], num_splits)
-    start = (row_start[:, None] + lo).reshape(-1)  # [n_q S]: item r S + s
-    length = (hi - lo).reshape(-1)
-    out, lse = _attend(jnp.repeat(q, num_splits, axis=0), records, idx, start, length, sm_scale)
-    return out.reshape(n_q, num_splits, h, LATENT_DIM), lse.reshape(n_q, num_splits, h)
+    lo, hi = split_range(row_length[None, :], jnp.arange(num_splits)[:, None], num_splits)
+
+    def split(bounds):  # one split of every row: out [n_q, H, 512], lse [n_q, H]
+        return _attend(q, records, idx, row_start + bounds[0], bounds[1] - bounds[0], sm_scale)
+
+    # SPLITS_AT_ONCE splits of every row at a time: a row's temporaries do not grow with S
+    out, lse = jax.lax.map(split, (lo, hi), batch_size=SPLITS_AT_ONCE)  # [S, n_q, ...]
+    return jnp.moveaxis(out, 0, 1), jnp.moveaxis(lse, 0, 1)
 
 
 def _attend(q, records, idx, start, length, sm_scale) -> tuple[jax.Array, jax.Array]:
