@@ -44,6 +44,7 @@ import numpy as np
 import pytest
 
 from jax_sparse_mla.emulation import sparse_mla as E
+from jax_sparse_mla.kernels.gfx950 import configs
 from jax_sparse_mla.reference.sparse_mla import sparse_mla_xla
 from tests import cases as C
 from tests import oracle as O
@@ -584,7 +585,7 @@ def test_work_items_and_splits():
     """The kernel's block-id map and key splits (its own helpers on Python ints): each (row
     item, head group) once, the G head groups of an item on one XCD (block id mod 8) within one
     window of 8 G block ids; the splits tile a row in order, whole 64-key chunks but the last,
-    as the emulation's ``split_range``."""
+    on Python ints as on jnp arrays (the emulation's ``split_range``)."""
     K = pytest.importorskip("jax_sparse_mla.kernels.gfx950.sparse_mla")
     for n_items, groups in ((1, 8), (13, 3), (64, 1)):
         grid = K._grid_x(n_items, 1, groups)
@@ -600,7 +601,7 @@ def test_work_items_and_splits():
             assert max(b for _, b in pairs) - min(b for _, b in pairs) < 8 * groups
     for length in (0, 1, 63, 64, 65, 300, 2100):
         for splits in (1, 2, 8, 33):
-            ranges = [K._split_range(length, s, splits) for s in range(splits)]
+            ranges = [configs.sparse_mla_split_range(length, s, splits) for s in range(splits)]
             assert ranges == [
                 tuple(map(int, E.split_range(length, s, splits))) for s in range(splits)
             ]

@@ -65,10 +65,10 @@ from jax_sparse_mla.formats import (
     SCALES_OFFSET,
     pow2,
 )
+from jax_sparse_mla.kernels.gfx950.configs import sparse_mla_split_range
 from jax_sparse_mla.reference.sparse_mla import no_keys
 
 TILE = 128  # keys per tile, as in the kernel
-SPLIT_KEYS = 64  # a key split is whole 64-position chunks of its row
 SPLITS_AT_ONCE = 8  # key splits emulated together (the rest in sequence)
 P_SHIFT = 8.0  # P = 2^8 exp2(...) <= 2^8; the LSE takes the 8 off again
 SCALE_CAP_BITS = 0x43000000  # f32 bits of 2^7: V scales are clamped to [bits 1, 2^7]
@@ -109,12 +109,9 @@ def _block_scale(e: jax.Array) -> jax.Array:
 
 def split_range(length, split, splits: int):
     """Positions ``[lo, hi)`` (from the row's first) of key split ``split`` of a row of
-    ``length`` entries: chunks of ``c = 64 ceil(length / (64 splits))``, as the kernel's
-    ``_split_range`` (ints or jnp arrays)."""
-    per = SPLIT_KEYS * splits
-    chunk = (length + per - 1) // per * SPLIT_KEYS
-    lo = jnp.minimum(split * chunk, length)
-    return lo, jnp.minimum(lo + chunk, length)
+    ``length`` entries, as the kernel cuts them (``configs.sparse_mla_split_range``), on ints
+    or jnp arrays."""
+    return sparse_mla_split_range(length, split, splits, jnp.minimum)
 
 
 def sparse_mla_gfx950_emulation(

@@ -49,7 +49,7 @@ MI355X_HBM_BYTES_PER_S = 8.0e12
 MI355X_XCDS = 8  # mla_decode's grid rounds its work items up to a multiple of the XCDs
 
 MAX_BYTES_RATIO = 1.1
-SPLIT_KEYS = 64
+SPLIT_KEYS = 64  # keys of a work unit, the fill target's piece (every op)
 
 
 DECODE_ROWS = configs.MLA_DECODE_ROWS  # query rows (head x position) per mla_decode CTA: 16
@@ -76,10 +76,10 @@ def mla_decode_splits(batch: int, heads: int, qlen: int, n_indices: int, cus: in
 
 def sparse_mla_splits(n_q: int, heads: int, nnz: int, cus: int) -> int:
     """Key splits per query row that fill ``cus`` CUs with one workgroup per (row, split, group
-    of 16 heads), at most one split per ``SPLIT_KEYS``-key tile of the mean row
+    of 16 heads), at most one split per ``configs.SPARSE_MLA_SPLIT_KEYS`` (64) keys of the mean row
     (``nnz / n_q`` entries: a 2-D index array's top-k)."""
     groups = math.ceil(heads / configs.SPARSE_MLA_MAX_HEADS)
-    tiles = math.ceil(nnz / max(n_q, 1) / SPLIT_KEYS)
+    tiles = math.ceil(nnz / max(n_q, 1) / configs.SPARSE_MLA_SPLIT_KEYS)
     return max(1, min(tiles, math.ceil(cus / max(n_q * groups, 1))))
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 SPARSE_MLA_MAX_HEADS = 16  # heads per sparse_mla launch: H = 1..16, larger H in head groups
 SPARSE_MLA_HEADS = tuple(range(1, SPARSE_MLA_MAX_HEADS + 1))
 SPARSE_MLA_RETURN_LSE = (False, True)
+SPARSE_MLA_SPLIT_KEYS = 64  # a sparse_mla key split is whole 64-position chunks of its row
 MLA_DECODE_QLENS = (1, 2, 4)  # query positions per request (16 / qlen heads per CTA)
 ULTRAQUANT_GROUP_SIZES = (6, 8, 16)  # query heads per KV head (GQA group size G)
 ULTRAQUANT_BLOCK_SIZES = (16, 32, 64, 128, 256)  # tokens per cache block
@@ -69,6 +70,17 @@ def sparse_mla_launches(heads: int, return_lse: bool, splits: int = 1) -> tuple[
     groups += [heads % SPARSE_MLA_MAX_HEADS] if heads % SPARSE_MLA_MAX_HEADS else []
     kernels = tuple(f"jsm_sparse_mla_h{h}_l{lse}" for h in groups)
     return kernels + ((MLA_DECODE_COMBINE,) if splits > 1 else ())
+
+
+def sparse_mla_split_range(length, split, splits, minimum=min):
+    """Positions ``[lo, hi)`` (from the row's first) of key split ``split`` of a ``sparse_mla``
+    row of ``length`` entries cut into ``splits``: chunks of
+    ``c = 64 ceil(length / (64 splits))``, the last ones short or empty. ``minimum`` is the
+    min of the values given (Python ints: ``min``; jnp arrays, kernel values: theirs)."""
+    per = SPARSE_MLA_SPLIT_KEYS * splits
+    chunk = (length + per - 1) // per * SPARSE_MLA_SPLIT_KEYS
+    lo = minimum(split * chunk, length)
+    return lo, minimum(lo + chunk, length)
 
 
 MLA_DECODE_COMBINE = "jsm_mla_decode_combine"

@@ -96,7 +96,7 @@ the E8M0 scale of K group ``K // 32`` from lane ``16 (K // 32) + i``; the bf16 /
 take elements ``8 G + [0, 8)``; result lane ``16 G + j`` holds rows ``4 G + [0, 4)`` of column
 j. Every lane address map is a module-level integer helper (``_q_dim`` .. ``_pv_at``), which
 ``tests/test_emulation_sparse_mla.py::test_kernel_layout`` runs through one tile; the block-id
-map and the splits (``_work_item``, ``_split_range``, ``_grid_x``) are checked by
+map and the splits (``_work_item``, ``configs.sparse_mla_split_range``, ``_grid_x``) are checked by
 ``test_work_items_and_splits``.
 
 LDS (bytes; the small regions first, so that every offset fits a DS immediate): f32 record
@@ -186,12 +186,12 @@ from jax_sparse_mla.kernels.gfx950.configs import (
     SPARSE_MLA_HEADS,
     SPARSE_MLA_RETURN_LSE,
     SPARSE_MLA_THREADS,
+    sparse_mla_split_range,
 )
 from jax_sparse_mla.kernels.gfx950.configs import SPARSE_MLA_MAX_HEADS as MAX_HEADS
 
 RECORD_BYTES = 656
 TILE = 128  # tokens per tile
-SPLIT_KEYS = 64  # a split is whole 64-position chunks of its row (the last one short)
 THREADS = SPARSE_MLA_THREADS  # 4 waves of 64
 SCALE_OFF = 512  # record byte offsets
 ROPE_OFF = 528
@@ -443,20 +443,6 @@ def _work_item(bid, groups) -> tuple:
     return (k // groups) * 8 + (bid & 7), k % groups
 
 
-def _split_range(length, split, splits) -> tuple:
-    """Positions ``[lo, hi)`` (from the row's first) of split ``split`` of a row of ``length``
-    entries: chunks of ``c = 64 ceil(length / (64 splits))``, the last ones short or empty."""
-    per = SPLIT_KEYS * splits
-    chunk = ((length + (per - 1)) // per) * SPLIT_KEYS
-    lo = _min(split * chunk, length)
-    return lo, _min(lo + chunk, length)
-
-
-def _min(a, b):
-    """min of two Python ints or two kernel values."""
-    return min(a, b) if isinstance(a, int) and isinstance(b, int) else fx.min(a, b)
-
-
 def _grid_x(n_q, splits, groups):
     """Workgroups of a launch: ``8 groups ceil(n_q splits / 8)`` (whole rounds of 8 items)."""
     return 8 * groups * ((n_q * splits + 7) // 8)
@@ -525,7 +511,7 @@ def build_launcher(config: Config):
         bounds = load_global(ip_base + fx.Int64(qi) * 4, 2, align=4)
         row_beg = fx.min(fx.max(uniform(bounds[0]), fx.Int32(0)), nnz)
         row_len = fx.min(fx.max(uniform(bounds[1]), row_beg), nnz) - row_beg
-        s_lo, s_hi = _split_range(row_len, split, num_splits)
+        s_lo, s_hi = sparse_mla_split_range(row_len, split, num_splits, fx.min)
         r_beg = row_beg + s_lo
         r_len = item_ok.select(s_hi - s_lo, fx.Int32(0))
         idx_rsrc = buffer_rsrc(
