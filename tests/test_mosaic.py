@@ -28,7 +28,7 @@ from jax_sparse_mla.kernels.mosaic import _wide as W
 from jax_sparse_mla.kernels.mosaic import mla_decode as D
 from jax_sparse_mla.kernels.mosaic import sparse_mla as K
 from jax_sparse_mla.kernels.mosaic import ultraquant as U
-from jax_sparse_mla.kernels.mosaic._launch import attention
+from jax_sparse_mla.kernels.mosaic._launch import attention, signed_q
 from tests import oracle as O
 from tests import ptx_sim
 
@@ -246,21 +246,32 @@ def test_vote_ptx_ors_every_lanes_comparisons(lane, pair, x, limit, expect):
     assert [r["$0"] for r in regs] == [expect] * 128
 
 
+@pytest.mark.parametrize("rows_e", [None, (0, 14, -10, 64)])
 @pytest.mark.parametrize("scale", [1e37, -1e37, 0.3, -0.3, 0.0, 1e-45])
-def test_the_softmax_scales_after_the_max_at_any_finite_scale(scale):
-    """The consumers' online softmax (``score_factors``, ``softmax_step``, ``lse_of``) over two
-    tiles of scores ~2, some keys masked, one key of 30 in the second and of -30 in the
-    first, against float64: at +-1e37 the largest scaled score, 3e38, overflows float32 in
-    log2 units (and the lse is still finite), the weights are finite (one-hot); at 0 and at a
-    subnormal scale (|scale| clamped to float32's smallest normal) a masked key weighs 0, not
-    NaN."""
+def test_the_softmax_scales_after_the_max_at_any_finite_scale(scale, rows_e):
+    """The consumers' online softmax (``softmax_step``, ``lse_of``) over two tiles of scores
+    ~2, some keys masked, one key of 30 in the second and of -30 in the first, against
+    float64: at +-1e37 the largest scaled score, 3e38, overflows float32 in log2 units (and
+    the lse is still finite), the weights are finite (one-hot); at 0 and at a subnormal scale
+    (|scale| clamped to float32's smallest normal) a masked key weighs 0, not NaN.
+    ``rows_e`` None: the scores times ``score_factors``' sign, its scalar magnitude after the
+    max (UltraQuant's ``consume_k``; the bf16 latent formats' scores, q times the sign, are
+    the same values). Else ``consume``'s float16 decode: q times the sign and each row's 2^e,
+    the magnitude of scale 2^-e per row after the max (at +-1e37 and e = -10 past float32's
+    max: clamped), the lse of the max times 2^-e at |scale|."""
     rng = np.random.default_rng(1)
     m, d = 4, 3
     raw = (2 * rng.normal(size=(2, P.T, m))).astype(np.float32)
     visible = rng.random(size=(2, P.T, 1)) > 0.2
     raw[0, 7], raw[1, 5], visible[0, 7], visible[1, 5] = -30, 30, True, True
     v = rng.normal(size=(2, P.T, d)).astype(np.float32)
-    sign, mag = P.score_factors(np.float32(scale) * np.float32(P.LOG2E))
+    log2_scale = np.float32(scale) * np.float32(P.LOG2E)
+    sign, mag = P.score_factors(log2_scale)
+    scores, unscale, lse_mag = raw, np.float32(1), mag
+    if rows_e is not None:  # q staged times the sign and 2^e per row (exact)
+        unscale = np.float32(2.0) ** -np.asarray(rows_e, np.float32)
+        scores, sign = raw * (np.sign(log2_scale) / unscale), np.float32(1)
+        mag = P.magnitude(jnp.float32(log2_scale) * unscale)  # may pass float32: clamped
 
     def by_row(x):
         return jnp.broadcast_to(x, (P.T, m))
@@ -268,18 +279,30 @@ def test_the_softmax_scales_after_the_max_at_any_finite_scale(scale):
     m_run, l_run = jnp.full((m,), -jnp.inf), jnp.zeros((m,))  # ``softmax_start``'s
     acc = jnp.zeros((d, m))
     for t in range(2):
-        sc = jnp.where(visible[t], raw[t] * sign, -jnp.inf)
+        sc = jnp.where(visible[t], scores[t] * sign, -jnp.inf)
         m_new = jnp.maximum(m_run, sc.max(axis=0))
         alpha, p = P.softmax_step(sc, m_run, m_new, by_row, mag)
         pv = jnp.matmul(v[t].T, p, precision="highest")  # not TF32 on a GPU
         l_run, acc, m_run = l_run * alpha + p.sum(axis=0), acc * alpha + pv, m_new
-    lse = P.lse_of(m_run, l_run, l_run != 0, mag)
+    lse = P.lse_of(m_run * unscale, l_run, l_run != 0, lse_mag)
     logits = np.where(visible, np.float64(np.float32(scale)) * raw, -np.inf).reshape(-1, m)
     want_lse = np.logaddexp.reduce(logits, axis=0)
     w = np.exp(logits - want_lse)
     np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-6, atol=1e-6)
     want = np.einsum("km,kd->dm", w, v.reshape(-1, d).astype(np.float64))
     np.testing.assert_allclose(np.asarray(acc / l_run), want, rtol=1e-5, atol=1e-6)
+
+
+def test_signed_q_carries_the_scales_sign():
+    """``signed_q``: the latent formats' q times the score scale's sign, exactly (their
+    kernels take only |scale|): a static positive scale leaves q as it is (no XLA op), a
+    negative one negates it, 0 zeroes it, and a traced scale does the same."""
+    q = jnp.asarray(np.random.default_rng(2).normal(size=(2, 3, 576)), jnp.bfloat16)
+    assert signed_q(q, np.float32(0.5)) is q
+    for scale, want in [(-0.5, -q), (0.0, jnp.zeros_like(q)), (np.float32(-3), -q)]:
+        np.testing.assert_array_equal(signed_q(q, scale), want)
+        np.testing.assert_array_equal(jax.jit(signed_q)(q, jnp.float32(scale)), want)
+    np.testing.assert_array_equal(jax.jit(signed_q)(q, jnp.float32(2)), q)
 
 
 def test_named_barriers_are_distinct_and_past_mosaic_gpus():

@@ -28,15 +28,27 @@ from jax_sparse_mla.kernels.mosaic._pipeline import (
 )
 
 
+def signed_q(q, score_scale):
+    """q [G, heads, 576] bf16 times the sign of ``score_scale`` (+-1, 0 or NaN: exact), so that
+    the latent formats' consumers take the running max of the scores as the wgmmas give them
+    and multiply only by |scale| after it (``_pipeline.magnitude``): no multiply per score
+    for the sign. A static positive scale leaves q as it is; a traced one costs one pass
+    over q."""
+    if is_static_scalar(score_scale) and score_scale > 0:
+        return q
+    return q * jnp.sign(jnp.asarray(score_scale, jnp.float32)).astype(q.dtype)
+
+
 def attention(fmt: RowFormat, cache, idx, lists, q, score_scale, out_scale, *, finished=True):
     """Runs the kernel: ``cache`` [N, row_bytes] uint8 (``fmt.fp4``: [N, HB * slot_bytes / 4]
     uint32, one row of HB slots per token),
     ``idx`` [nnz] int32, ``lists`` the key lists: work entries [G, S, WORK] (``work_lists``)
     or (indptr [G + 1] int32, ``SplitRule``) for the kernel to split; ``q`` [G, heads, 576]
     bf16 rows as they are (``fmt.fp4``: [G, HB, FP4_SLICES, q_pieces * m, FP4_WORDS] from
-    ``fp4_q``), scalar scales (the score scale in natural units). ``finished``: the caller
-    wants bf16 out, not partials to merge itself. Causal formats: row r is query position
-    r // (heads / qlen) (``fmt.heads`` rows: qlen positions of the same heads).
+    ``fp4_q``), scalar scales (the score scale in natural units; the latent formats' q goes
+    to the kernel times its sign, ``signed_q``). ``finished``: the caller wants bf16 out, not
+    partials to merge itself. Causal formats: row r is query position r // (heads / qlen)
+    (``fmt.heads`` rows: qlen positions of the same heads).
 
     Returns o [G, S, HB * m, fmt.dims] f32 (natural dim order, each split normalized by its own
     sum and times ``out_scale``; ``finished`` latent formats with one split: [G, 1, heads,
@@ -61,6 +73,7 @@ def attention(fmt: RowFormat, cache, idx, lists, q, score_scale, out_scale, *, f
     xp = np if static else jnp  # static scales make an XLA constant, not a kernel
     scales = [xp.float32(score_scale) * xp.float32(LOG2E), xp.float32(out_scale)]
     scale = xp.repeat(xp.stack(scales), DB)
+    q = q if fmt.fp4 else signed_q(q, score_scale)  # UltraQuant: the kernel takes the sign
     inputs = [cache, idx, masked_row(fmt), q, lists, scale]
     if fmt.causal:  # constants: each row's query position, and 0 .. 63
         positions = np.arange(hbs * m, dtype=np.int32) // (fmt.heads // fmt.qlen)

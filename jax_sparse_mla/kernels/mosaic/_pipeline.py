@@ -42,10 +42,12 @@ V, so every product is exact and accumulation is f32. The decode formats, with o
 call, run float16 operands instead (``RowFormat.operand_dtype``): K's codes are exact in float16,
 q is staged times a power of two that fits its range (``q_rows_ptx``), P rounds to float16.
 The score scale (sm_scale, times k_scale for the decode; log2 e added) is applied after the
-running max: the max is of the scores times its sign (and the powers of two of q's staging or
-UltraQuant's codes: exact), and its magnitude multiplies each score less the max before exp2
-(``score_factors``, ``softmax_step``: one multiply per score), so any finite scale gives finite
-weights.
+running max, so any finite scale gives finite weights: the max is of the scores as the wgmmas
+give them, and the scale's magnitude multiplies each score less the max before exp2
+(``magnitude``, ``softmax_step``: one multiply per score). The latent formats' q arrives times
+the scale's sign (``_launch.attention``: exact), and the float16 decode's rows' magnitudes
+carry the 2^-e of q's staging (exact); UltraQuant's K warpgroups multiply the scores by the
+sign and the codes' 2^6 instead (``score_factors``).
 
 Layout: a row's latent codes are read as uint16 words; word w holds latent dims 2w (low byte)
 and 2w + 1 (high byte), so a 64-word column block of chunk c gives the 64 even and the 64 odd
@@ -974,8 +976,8 @@ def _stage_q_rows(fmt: RowFormat, c: int, q_rows, q_lat, q_rope, row0, q_max):
     """Consumer ``c`` stages its part of q's rows ``q_rows`` [heads, 576] (GMEM) from row
     ``row0`` on into ``q_lat`` and ``q_rope`` (SMEM): ``q_rows_ptx``. float16 formats first
     take each row's largest |q| into ``q_max`` ([64] uint32 SMEM, ``q_max_ptx``; every consumer
-    meets after it), from which the caller takes the scores' factors (``q_unscale``); bf16
-    formats pass ``q_max`` None."""
+    meets after it), from which the caller takes each row's 2^-e, a factor of its scale's
+    magnitude (``q_unscale``); bf16 formats pass ``q_max`` None."""
     plgpu, mgpu_utils, ir, llvm, _, _ = _mgpu()
     splat = plgpu.Layout.WG_SPLAT(shape=())
     lat, rope = (plgpu.RefType(transforms=_swizzle_transforms(x)) for x in (128, rope_swizzle(fmt)))
@@ -1206,30 +1208,37 @@ def _finite_max(m):
     return jnp.where(m == -jnp.inf, 0.0, m)
 
 
+def magnitude(scale):
+    """|``scale``| f32 (a score scale in log2 units, signed: a scalar, or [m] one per row)
+    clamped to float32's normal range, so that a masked -inf score gives 0, never 0 x -inf:
+    the factor of the scores less their running max (``softmax_step``)."""
+    f32 = np.finfo(np.float32)
+    return jnp.clip(jnp.abs(scale), f32.tiny, f32.max)
+
+
 def score_factors(scale, bias=1.0):
     """(sign, mag) f32 of the call's score scale ``scale`` (log2 units, signed; a scalar, the
-    same for every row: one register, not one per row): the kernels take the running max of
-    the scores times ``sign`` (sign(scale) * ``bias``, a power of two or 0: exact) and
-    multiply by ``mag`` (|scale| clamped to float32's normal range, so that a masked -inf
-    score gives 0, never 0 x -inf) only after subtracting it (``softmax_step``): any finite
-    scale gives finite weights."""
-    f32 = np.finfo(np.float32)
-    return jnp.sign(scale) * bias, jnp.clip(jnp.abs(scale), f32.tiny, f32.max)
+    same for every row: one register, not one per row) for UltraQuant's K warpgroups
+    (``consume_k``): they take the running max of the scores times ``sign`` (sign(scale) *
+    ``bias``, a power of two or 0: exact) and multiply by ``mag`` (``magnitude``) only after
+    subtracting it (``softmax_step``): any finite scale gives finite weights."""
+    return jnp.sign(scale) * bias, magnitude(scale)
 
 
 def rebase(m_old, m_new, mag):
     """[m] factors moving sums (or accumulators) on the running max ``m_old`` to ``m_new``
-    (signed unscaled scores, ``score_factors``; ``mag`` their scale): 0 from -inf."""
+    (unscaled scores; ``mag`` their scale's ``magnitude``, a scalar or [m]): 0 from -inf."""
     return jnp.exp2((m_old - _finite_max(m_new)) * mag)
 
 
 def softmax_step(sc, m_run, m_new, by_row, mag):
-    """alpha [m] (the old accumulators' factor) and P f32 for the masked signed scores ``sc``
-    (unscaled, ``score_factors``; S^T [T, m] or S [m, T]) moving the running max from
-    ``m_run`` to ``m_new``: P = 2^(``mag`` (sc - max)), the scale applied after the max is
-    subtracted (one multiply per score); ``by_row`` broadcasts [m] values over ``sc``'s
-    shape."""
-    return rebase(m_run, m_new, mag), jnp.exp2((sc - by_row(_finite_max(m_new))) * mag)
+    """alpha [m] (the old accumulators' factor) and P f32 for the masked unscaled scores
+    ``sc`` (S^T [T, m] or S [m, T]) moving the running max from ``m_run`` to ``m_new``: P =
+    2^(``mag`` (sc - max)), ``mag`` the scale's ``magnitude`` (a scalar, or [m] one per row)
+    applied after the max is subtracted (one multiply per score); ``by_row`` broadcasts [m]
+    values over ``sc``'s shape."""
+    row_mag = by_row(mag) if jnp.ndim(mag) else mag
+    return rebase(m_run, m_new, mag), jnp.exp2((sc - by_row(_finite_max(m_new))) * row_mag)
 
 
 def out_factor(out_scale, l_run):
@@ -1240,9 +1249,10 @@ def out_factor(out_scale, l_run):
 
 def lse_of(m_run, l_run, has, mag):
     """Rows' lse [m] f32: natural log of the sum ``l_run`` on the running max ``m_run`` of the
-    signed unscaled scores, ``mag`` their scale in log2 units (``score_factors``); -inf
-    without keys (not ``has``), +-inf where |sm_scale| ``m_run`` overflows float32, as the
-    exact path's (``mag`` leaves log2 units before it meets ``m_run``)."""
+    unscaled scores, ``mag`` their scale's ``magnitude`` in log2 units (the scale's sign is
+    in the scores); -inf without keys (not ``has``), +-inf where |sm_scale| ``m_run``
+    overflows float32, as the exact path's (``mag`` leaves log2 units before it meets
+    ``m_run``)."""
     log_sum = jnp.log2(jnp.where(has, l_run, 1.0)) * (1 / LOG2E)
     return jnp.where(has, m_run * (mag * (1 / LOG2E)) + log_sum, -jnp.inf)
 
@@ -1472,13 +1482,15 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
         q_args = (q_ref.at[g], s["q_lat"], s["q_rope"], hb * m, s.get("q_max"))
         _stage_q_rows(fmt, c, *q_args)
         plgpu.commit_smem()  # q visible to this warpgroup's wgmmas
-        sign, mag = score_factors(s["scale"][0])
-        if "q_max" in s:  # each row of q was staged times its 2^e: a sign per row
-            sign = sign * q_unscale(load(s["q_max"].at[pl.ds(0, m)], per_row))
 
-        def signed(x):  # the scores x [T, m] times their rows' signs
-            return x * (by_row(sign) if "q_max" in s else sign)
+        def unscale():  # float16 formats: 2^-e [m], each row of q was staged times its 2^e
+            return q_unscale(load(s["q_max"].at[pl.ds(0, m)], per_row))
 
+        # q came times the scale's sign (``attention``): the max is of the raw scores, and the
+        # magnitude times each row's 2^-e multiplies after it (``softmax_step``). Clamped past
+        # float32's max it still takes every score below the max to 0, as the exact product
+        # does (float16 q times e4m3 K: raw scores are multiples of 2^-33)
+        mag = magnitude(s["scale"][0] * unscale() if "q_max" in s else s["scale"][0])
         out_scale = load(s["scale"].at[pl.ds(DB, m)], per_row)
         if fmt.causal:
             bound = total - fmt.qlen + load(s["rowpos"].at[pl.ds(0, m)], per_row)
@@ -1548,7 +1560,7 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
             visible = by_key(ids) >= 0
             if fmt.causal:
                 visible = visible & (by_key(iota + (lo + t * T)) <= by_row(bound))
-            sc_t = jnp.where(visible, signed(sc_t), -jnp.inf)  # unscaled
+            sc_t = jnp.where(visible, sc_t, -jnp.inf)  # unscaled, signed by q
             if c == 0:
                 m_new = jnp.maximum(m_run, sc_t.max(axis=0))
                 s["ml"][pl.ds(0, m)] = m_new
@@ -1590,6 +1602,9 @@ def _kernel(*refs, fmt: RowFormat, rule: SplitRule | None, **smem):
         else:
             store_o_t(c, blocks, accs, inv_l)
         if c == 0:
+            if "q_max" in s:  # the lse of the max times its row's 2^-e (exact) at |scale|:
+                # a row's magnitude |scale| 2^-e may pass float32's max (then clamped)
+                m_run, mag = m_run * unscale(), magnitude(s["scale"][0])
             store_lse(m_run, l_run, has, mag)
         plgpu.wait_smem_to_gmem(0)
 

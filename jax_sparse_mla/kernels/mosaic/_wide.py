@@ -65,9 +65,9 @@ from jax_sparse_mla.kernels.mosaic._pipeline import (
     _wait,
     consumer_registers,
     load,
+    magnitude,
     out_factor,
     produce,
-    score_factors,
     softmax_start,
     softmax_step,
     stages_for,
@@ -161,7 +161,7 @@ def kernel(*refs, fmt: RowFormat, rule: SplitRule, **smem):
         plgpu.set_max_registers(consumer_registers(), action="increase")
         _stage_q_rows(fmt, c, q_ref.at[g], s["q_lat"], s["q_rope"], hb * m, None)
         plgpu.commit_smem()  # q visible to this warpgroup's wgmmas
-        sign, mag = score_factors(s["scale"][0])
+        mag = magnitude(s["scale"][0])  # q came times the scale's sign (``attention``)
         out_scale = load(s["scale"].at[pl.ds(DB, m)], per_row)
         own = fmt.own_blocks  # (chunk, parity) blocks: those of chunks 2c and 2c + 1
         blocks = range(own * c, own * (c + 1))
@@ -211,7 +211,7 @@ def kernel(*refs, fmt: RowFormat, rule: SplitRule, **smem):
             parts = [mine if i == c else load(s["s"].at[i], wgmma) for i in range(CONSUMERS)]
             _consumers_barrier()  # both have been read: the next tile may overwrite them
             visible = jax.lax.broadcast_in_dim(ids, (m, T), [1]) >= 0
-            sc = jnp.where(visible, (parts[0] + parts[1]) * sign, -jnp.inf)
+            sc = jnp.where(visible, parts[0] + parts[1], -jnp.inf)  # unscaled
             m_new = jnp.maximum(m_run, sc.max(axis=1))
             alpha, p = softmax_step(sc, m_run, m_new, by_head, mag)
             l_run = l_run * alpha + p.sum(axis=1)
