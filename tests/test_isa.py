@@ -188,3 +188,32 @@ def test_barriers_keep_the_dma_in_flight(built, symbol):
     assert len(in_flight) == design(symbol)[1]
     for b in in_flight:
         assert "vmcnt" not in b.nearest_wait, f"line {b.line}: {b.nearest} drains the DMA"
+
+
+def _instructions(k) -> list[list[str]]:
+    """The kernel's instructions in program order, each as its words."""
+    lines = kernel_text(k["isa"], k["name"])
+    return [line.split() for _, line in lines if line.startswith("\t") and line.split()]
+
+
+@pytest.mark.parametrize(
+    "symbol", [s for s in SYMBOLS if s.startswith(("jsm_sparse_mla", "jsm_mla_decode_partials"))]
+)
+def test_first_gather_waits_for_no_q_load(built, symbol):
+    """Before the first LDS DMA is issued, nothing waits for q's words (the first
+    ``global_load_dwordx4``) ahead of the loads of the entries that the DMA needs (the last
+    ``buffer_load`` before it): sparse_mla loads q's words and tile 0's entries together and
+    splits q while the DMA is in flight; mla_decode loads q after issuing block 0's DMA. The
+    previous order (q loaded and its maximum taken, then the entries, then the DMA) paid one
+    memory latency more before the first gather left."""
+    code = _instructions(kernel(built, symbol))
+    dma = next(i for i, ins in enumerate(code) if ins[0].startswith("global_load_lds"))
+    entries = max(i for i, ins in enumerate(code[:dma]) if ins[0].startswith("buffer_load"))
+    q_words = [i for i, ins in enumerate(code[:dma]) if ins[0] == "global_load_dwordx4"]
+    if q_words:
+        waits = [
+            (i, ins)
+            for i, ins in enumerate(code[q_words[0] : entries], q_words[0])
+            if ins[0] == "s_waitcnt" and "vmcnt" in ins[1]
+        ]
+        assert not waits, f"waits for q's words before the DMA's entries are loaded: {waits}"

@@ -55,6 +55,10 @@ block's row max goes through LDS; P's hi and lo go to LDS; then wave ``w`` accum
 ``k`` is source lane ``2k + t // 8``'s byte ``t % 8``: AMD's documented semantics, probe.py; an
 MI355 checks it by ``tests/test_gfx950.py::test_ds_read_b64_tr_b8_lane_map``). At the end l is
 summed over the waves. Index reads go through a buffer descriptor sized to ``kv_indices``.
+Prologue order: block 0's index entry is loaded, the slots zeroed, block 0's DMA issued, and
+only then q loaded and split, so the first gather is in flight during q's loads (vmcnt counts
+loads in order, so q's first use waits for the DMA too: the two latencies overlap, q's
+arithmetic does not; ``tests/test_isa.py`` checks that nothing waits for q before the DMA).
 
 LDS (bytes, static, 152576 in all, so one CTA per CU): two K slots ``[128 keys][576 B]`` at 0 and
 73728 (16-B chunk ``c`` of key ``k`` stored at chunk ``c ^ ((k >> 2) & 3)``), P ``[hi, lo]
@@ -436,8 +440,6 @@ def build_partials_launcher(qlen: int):
             sg = (c2 < 0.0).select(fx.Float32(-1.0), fx.Float32(1.0))
             ac2 = c2 * sg
 
-            q_ops, q_scale_b = _q_operands(q_lane, row_ok, g)
-
             # ---- per-lane LDS addresses, relative to a slot (or to lds0)
             k_rd = _k_offsets(w, t, g)
             p_wr = lds0 + LDS_P + _p_write_offset(w, t, g)
@@ -483,14 +485,17 @@ def build_partials_launcher(qlen: int):
                             alias_scopes=_dma_scope(),
                         )
 
-            # Zero both slots (a masked key's slot then holds finite bytes), then block 0's DMA.
+            # Zero both slots (a masked key's slot then holds finite bytes), then block 0's DMA,
+            # then q's split: the first gather is in flight while q is loaded and split.
+            raw_cur = load_index(0)
             zero4 = Vec.filled(4, 0, fx.Int32)
             for i in range_constexpr(2 * SLOT_BYTES // (16 * THREADS)):
                 _store_lds(lds0 + (i * THREADS + tid) * 16, zero4, 16)
             lds_barrier()
-            key_cur = check_index(load_index(0), 0)
+            key_cur = check_index(raw_cur, 0)
             dma(key_cur, 0)
             raw_next = load_index(1)
+            q_ops, q_scale_b = _q_operands(q_lane, row_ok, g)
 
             m_run = fx.Float32(NEG_INF)
             l_run = fx.Float32(0.0)

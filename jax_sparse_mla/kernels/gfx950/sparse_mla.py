@@ -82,6 +82,12 @@ go through a buffer descriptor over ``idx[split start:nnz]``, so a tail tile nev
 work idle); going to 64-key tiles would halve that but every lane map and the 4-wave split of
 the tile's tokens with it.
 
+The first gather leaves as early as the data allows: q's words and tile 0's index entries are
+loaded together, tile 0's DMA is issued as soon as the entries land, and q is split (its
+maxima and fp8 conversions) while that DMA is in flight (``tests/test_isa.py`` checks that
+nothing waits for q's words before the entries are loaded; loading q, taking its maxima, then
+the entries, as before, paid one memory latency more before the first gather).
+
 Prefetch, and what a second tile buffer would cost: the next tile's DMA is issued midway
 through this tile's PV (each wave refills its own column block after its last read of it) and
 waited for at the next tile's top; a double-buffered 128-key tile would issue it a whole tile
@@ -538,45 +544,20 @@ def build_launcher(config: Config):
             last = fx.max(last, last.shuffle_xor(sh, 64))
         nt = uniform((last + (TILE - 1)) >> 7)
 
-        # ---- Q: lane (head t, group g) holds latent blocks g // 2 and 2 + g // 2 as fp8 hi/lo
+        # ---- Q's words first (its split waits for them after tile 0's DMA is issued, so the
+        # first gather is in flight while q is split): lane (head t, group g) loads latent
+        # blocks g // 2 (qa) and 2 + g // 2 (qb), 16 dims each per block, and 16 rope dims
         h_ok = t < H
         h = hg * H + h_ok.select(t, fx.Int32(0))  # head of the launch's q / out / lse
         q_lane = q_base + (fx.Int64(qi) * fx.Int64(q_row_stride) + fx.Int64(h * q_head_stride)) * 2
-        qa, qb = [], []
-        for j in range_constexpr(4):
-            for half, dst in ((0, qa), (1, qb)):
-                d0 = _q_dim(g, j, half)
-                for k in range_constexpr(2):
-                    v = load_global(q_lane + fx.Int64(d0 + 8 * k) * 2, 4)
-                    vf = v.bitcast(fx.BFloat16).to(fx.Float32)
-                    for e in range_constexpr(8):
-                        dst.append(h_ok.select(f32(vf[e]), fx.Float32(0.0)))
-        amax = []
-        for vals in (qa, qb):
-            a = fx.Float32(0.0)
-            for x in vals:
-                a = fmax(a, abs(x))
-            swapped = permlane_swap(rocdl.permlane16_swap, a.bitcast(fx.Int32))
-            p0, p1 = (p.bitcast(fx.Float32) for p in swapped)
-            amax.append(fmax(p0, p1))  # blocks g // 2 and 2 + g // 2
-        other = []
-        for a in amax:
-            swapped = permlane_swap(rocdl.permlane32_swap, a.bitcast(fx.Int32))
-            p0, p1 = (p.bitcast(fx.Float32) for p in swapped)
-            other.append((g >= 2).select(p0, p1))  # the value of lane group g ^ 2
-        mine = (g == 0).select(
-            amax[0], (g == 1).select(other[0], (g == 2).select(other[1], amax[1]))
-        )
-        _, inv_a = _e8m0_scale(amax[0])
-        _, inv_b = _e8m0_scale(amax[1])
-        q_hi, q_lo = [], []
-        for j in range_constexpr(4):
-            ha, la = _split_q(qa[16 * j : 16 * j + 16], inv_a)
-            hb, lb = _split_q(qb[16 * j : 16 * j + 16], inv_b)
-            q_hi.append(Vec.from_elements(ha + hb, fx.Int32))
-            q_lo.append(Vec.from_elements(la + lb, fx.Int32))
-        qs_hi, _ = _e8m0_scale(mine)
-        qs_lo = qs_hi - 5
+        q_words = [
+            [
+                load_global(q_lane + fx.Int64(_q_dim(g, j, half) + 8 * k) * 2, 4)
+                for j in range(4)
+                for k in range(2)
+            ]
+            for half in range(2)
+        ]
         q_rope = [load_global(q_lane + _q_rope_dim(g, i) * 2, 4) for i in range(2)]
 
         # ---- per-lane LDS addresses. Sub-tile s = 1 (keys + 16) and PV half sub = 1 (keys + 4)
@@ -648,6 +629,40 @@ def build_launcher(config: Config):
         dma(keys(load_raw(dma_pos(tile0)), dma_pos(tile0)))
         side0 = side_loads(keys_q0)
         tile1 = fx.Int32(TILE)
+
+        # ---- Q's split: latent blocks g // 2 and 2 + g // 2 as fp8 hi/lo
+        qa, qb = [], []
+        for words, dst in zip(q_words, (qa, qb), strict=True):
+            for v in words:
+                vf = v.bitcast(fx.BFloat16).to(fx.Float32)
+                dst += [h_ok.select(f32(vf[e]), fx.Float32(0.0)) for e in range(8)]
+        amax = []
+        for vals in (qa, qb):
+            a = fx.Float32(0.0)
+            for x in vals:
+                a = fmax(a, abs(x))
+            swapped = permlane_swap(rocdl.permlane16_swap, a.bitcast(fx.Int32))
+            p0, p1 = (p.bitcast(fx.Float32) for p in swapped)
+            amax.append(fmax(p0, p1))  # blocks g // 2 and 2 + g // 2
+        other = []
+        for a in amax:
+            swapped = permlane_swap(rocdl.permlane32_swap, a.bitcast(fx.Int32))
+            p0, p1 = (p.bitcast(fx.Float32) for p in swapped)
+            other.append((g >= 2).select(p0, p1))  # the value of lane group g ^ 2
+        mine = (g == 0).select(
+            amax[0], (g == 1).select(other[0], (g == 2).select(other[1], amax[1]))
+        )
+        _, inv_a = _e8m0_scale(amax[0])
+        _, inv_b = _e8m0_scale(amax[1])
+        q_hi, q_lo = [], []
+        for j in range_constexpr(4):
+            ha, la = _split_q(qa[16 * j : 16 * j + 16], inv_a)
+            hb, lb = _split_q(qb[16 * j : 16 * j + 16], inv_b)
+            q_hi.append(Vec.from_elements(ha + hb, fx.Int32))
+            q_lo.append(Vec.from_elements(la + lb, fx.Int32))
+        qs_hi, _ = _e8m0_scale(mine)
+        qs_lo = qs_hi - 5
+
         state = [fx.Float32(NEG_INF), fx.Float32(0.0)]
         state += [Vec.filled(4, 0.0, fx.Float32) for _ in range(8)]
         state += load_raw(qk_pos(tile1)) + load_raw(dma_pos(tile1)) + side0 + keys_q0
