@@ -56,12 +56,20 @@ barrier). Registers (per lane, 2 waves per SIMD: 256): O 128, q's steps 0..4 40,
 accumulators 16, the P operand 8; measured (FlyDSL 0.5, gfx950): 248 VGPRs, 0 AGPRs, no spill,
 no scratch, 65 SGPRs.
 
-Compile-time study of this design (variants of the QK loop, same PV; VGPRs / spilled VGPRs /
-scratch bytes / LDS): q steps in VGPRs R = 5, steps outer with a sched_barrier per step
-248 / 0 / 0 / 139264 (this kernel); the same without the barriers 256 / 2 / 12; R = 4 with
-barriers 250 / 0 / 0 / 155648; R = 6 256 / 0 / 0 / 122880; all 9 steps in VGPRs 256 / 24 /
-100 / 73728; R = 5 key tiles outer with a sched_barrier per tile 250 / 0 / 0, without 256 / 15
-/ 64. R <= 3 needs more than 160 KiB of LDS.
+Per (row, key) it issues the 16-row kernels' MFMAs (QK 9 per 16 keys x 16 rows, PV 1 per 16
+latents x 64 keys x 16 rows where those run 2 per 128 keys) and reads about 1.1x their LDS
+bytes: per block 2304 B per lane (K 1152, each byte twice since lane groups g and g + 2 pair
+q's hi and lo; V 1024, likewise for P's hi and lo; q 128), 1179648 B per CTA, against 512 B
+per lane per 128-key block in each of the 16-row kernels' 8 CTAs. Not measured on an MI355.
+
+Compile-time study of this design (FlyDSL 0.5, ``waves_per_eu`` 2; the QK loop and q's split
+varied, the rest as here; VGPRs / spilled VGPRs / scratch bytes / LDS): R QK steps of q in
+VGPRs, steps outer, a ``sched_barrier`` per step: R = 4 250 / 0 / 0 / 155648, R = 5 248 / 0 / 0
+/ 139264 (this kernel), R = 6 256 / 0 / 0 / 122880, R = 7 256 / 8 / 36, R = 8 256 / 21 / 88,
+R = 9 (all of q) 256 / 25 / 104 / 73728; without the barriers R = 4 252 / 0 / 0, R = 5 256 / 2
+/ 12, R = 6 256 / 10 / 44; key tiles outer with a barrier per tile R = 5 250 / 0 / 0, R = 6
+256 / 2 / 12, without barriers 15 spilled VGPRs for R = 4 to 7. R <= 3 needs more than 160 KiB
+of LDS.
 """
 
 import flydsl.compiler as flyc
