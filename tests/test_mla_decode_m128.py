@@ -1,5 +1,6 @@
 """The 128-row mla_decode partials kernel (``kernels/gfx950/mla_decode_m128.py``, not launched
-yet) compiles for gfx950 within its register and LDS budget, and its ISA keeps the design.
+yet) compiles for gfx950 within its register and LDS budget, its ISA keeps the design, and its
+lane mappings compute one block's scores and PV exactly.
 
 Compiled on the CPU (FlyDSL AOT) in a subprocess, as ``python -m jax_sparse_mla.build`` does;
 needs the gfx950-build extra (flydsl, ziglang or an ld.lld).
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from jax_sparse_mla._build.build import resource_problems, toolchain_env
@@ -85,3 +87,85 @@ def test_isa_has_the_design(compiled):
         assert not b.lds_pending and not b.dma_in_flight, b
         assert b.nearest.mnemonic == "s_waitcnt" and b.nearest_wait.get("lgkmcnt") == 0, b
     assert found[1].nearest_wait.get("vmcnt") == 0, found[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel's data layout, lane by lane (the kernel module's own address helpers; the MFMA and
+# tr8 semantics of tests/test_emulation_mla_decode.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def _permlane32_swap(first, second):
+    """v_permlane32_swap on [64, ...] lane data: rows 2 and 3 (lanes 32..63) of ``first`` are
+    swapped with rows 0 and 1 of ``second``; returns (first', second')."""
+    return (
+        np.concatenate([first[:32], second[:32]]),
+        np.concatenate([first[32:], second[32:]]),
+    )
+
+
+def test_kernel_layout():
+    """One 64-key block through the kernel's lane mappings (each wave's DMA into the swizzled
+    slot, the QK A operands with q's hi / lo as B, P's hi / lo paired by v_permlane32_swap,
+    the tr8 V^T reads) computes ``S = K (hi + lo / 32) 2^(s - 127)`` and
+    ``O = (hi + lo / 32)_P V`` exactly, for every key and latent."""
+    pytest.importorskip("flydsl", reason="the kernel module (its address helpers) needs flydsl")
+    K = pytest.importorskip("jax_sparse_mla.kernels.gfx950.mla_decode_m128")
+    from tests import cases as C
+    from tests import oracle as O
+    from tests.test_emulation_mla_decode import E, _mfma, _tr8
+
+    lanes = np.arange(64)
+    t, g = lanes & 15, lanes >> 4
+    r = C.rng(12)
+    codes = r.integers(0, 256, (K.BLOCK, 576)).astype(np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x3C  # no NaN
+    lds = np.zeros(K.SLOT_BYTES, np.uint8)
+    byte = np.arange(16)
+    for w in range(K.WAVES):
+        for i in range(K.DMA_INSTR):
+            key, off, copies = K._dma_source(w, lanes, i)
+            dst = w * K.DMA_BYTES + 1024 * i + 16 * lanes[copies]
+            lds[dst[:, None] + byte] = codes[key[copies, None], off[copies, None] + byte]
+    key, chunk = np.meshgrid(np.arange(K.BLOCK), np.arange(36), indexing="ij")
+    at = 576 * key + 16 * K._swizzle(key, chunk)
+    np.testing.assert_array_equal(lds[at[..., None] + byte], codes.reshape(K.BLOCK, 36, 16))
+
+    q = C.bf16_normal(r, (16, 576)) * C.to_bf16(2.0 ** r.integers(-3, 4, (16, 1)))
+    x_hat, scale = (np.asarray(v, np.float64) for v in E.q_split(q))
+    x = O.to_f64(q) / scale[:, None]
+    hi = O.e4m3_encode(x)
+    lo = O.e4m3_encode((x - O.e4m3_decode(hi)) * 32)
+    s_byte = np.log2(scale).astype(int) + 127
+    k_scale_b = np.where(g % 2 == 0, s_byte[t], s_byte[t] - 5)
+    want_s = O.e4m3_decode(codes) @ (x_hat * scale[:, None]).T  # [key, row]
+    k_rd = K._k_offsets(t, g & 1)
+    for kt in range(K.KEY_TILES):
+        acc = 0
+        for s in range(9):
+            base = kt * 16 * 576 + 64 * s
+            a = np.concatenate([lds[base + k_rd[h][:, None] + byte] for h in range(2)], 1)
+            dims = 64 * s + 32 * (g[:, None] & 1) + np.arange(32)
+            b = np.where(g[:, None] < 2, hi[t[:, None], dims], lo[t[:, None], dims])
+            acc = acc + _mfma(a, b, np.full(64, 127), k_scale_b)
+        keys = 16 * kt + 4 * g[:, None] + np.arange(4)
+        np.testing.assert_allclose(acc, want_s[keys, t[:, None]], rtol=1e-12, atol=1e-300)
+
+    p = r.uniform(0, 256, (16, K.BLOCK))
+    p_hi = O.e4m3_encode(p)
+    p_lo = O.e4m3_encode((p - O.e4m3_decode(p_hi)) * 32)
+    first, second = [], []
+    for kt in range(K.KEY_TILES):
+        keys = 16 * kt + 4 * g[:, None] + np.arange(4)
+        x, y = _permlane32_swap(p_hi[t[:, None], keys], p_lo[t[:, None], keys])
+        first.append(x)
+        second.append(y)
+    b = np.concatenate(first + second, 1)  # [64 lanes, 32 bytes]
+    p_scale = np.where(g % 2 == 0, 127, 122)
+    want_o = (O.e4m3_decode(p_hi) + O.e4m3_decode(p_lo) / 32) @ O.e4m3_decode(codes[:, :512])
+    v_base = K._v_bases(t, g & 1)
+    for jt in range(K.LAT_TILES):
+        a = np.concatenate([_tr8(lds, v_base[jt % 2] + K._v_const(jt, q)) for q in range(4)], 1)
+        acc = _mfma(a, b, np.full(64, 127), p_scale)
+        lat = 16 * jt + 4 * g[:, None] + np.arange(4)
+        np.testing.assert_allclose(acc, want_o[t[:, None], lat], rtol=1e-12, atol=1e-300)

@@ -1,6 +1,7 @@
 """gfx950 (MI355) ``mla_decode`` partials with all 128 heads of a request in one CTA (qlen 1).
 
-NOT LAUNCHED YET: compiled by ``tests/test_mla_decode_m128.py`` only; not in ``CONFIGS``, the
+NOT LAUNCHED YET: compiled by ``tests/test_mla_decode_m128.py`` only (which also runs one
+block through its lane mappings in numpy, ``test_kernel_layout``); not in ``CONFIGS``, the
 build, the FFI handlers, the ops, the model or the self-check. It is the design of an additional
 configuration beside the 16-row kernels of ``mla_decode.py`` (which stay for small H: at H = 16
 a 128-row CTA would waste 7/8 of its MFMAs). Its point: every K tile of a (request, split) is
@@ -35,7 +36,8 @@ wave: one ``s_barrier`` per block (its K rows landed; the other slot is free). P
 * P^T operand in registers: per key tile, ``split_fp8`` gives this lane's hi and lo words
   (byte ``r``: key ``16 kt + 4 g + r``); ``v_permlane32_swap(hi, lo)`` (LLVM's
   ``llvm.amdgcn.permlane32.swap``: rows 2 and 3 of the first operand are swapped with rows 0
-  and 1 of the second; the first result is the first operand's) leaves lane group ``g < 2``
+  and 1 of the second; the first result is the first operand's; no MI355 probe checks this
+  direction yet, the other kernels swap a value with itself) leaves lane group ``g < 2``
   with hi of keys ``16 kt + 4 g + r`` and of ``16 kt + 4 (g + 2) + r`` and group ``g >= 2`` with
   the lo of the same keys. So operand byte ``b`` of lane group g holds key
   ``16 kt + 4 ((g & 1) + 2 h) + r`` (``h = b // 16``, ``kt = b % 16 // 4``, ``r = b % 4``): hi
@@ -187,6 +189,12 @@ def _p_operand(p: list) -> Vec:
     return Vec.from_elements(first + second, fx.Int32)
 
 
+def _k_offsets(t, gp) -> list:
+    """Slot byte offsets of lane (t, gp)'s two 16-B halves of the QK A operand of key tile 0,
+    step 0 (+``16 kt KV_DIM`` per tile, +64 per step): key t, logical chunks ``2 gp + h``."""
+    return [t * KV_DIM + _swizzle(t, 2 * gp + h) * 16 for h in range(2)]
+
+
 def _v_bases(t, gp) -> tuple:
     """Slot byte offsets of this lane's V reads for even and odd latent tiles (without the
     compile-time part ``_v_const``): key ``16 (t >> 3) + 4 gp + ((t >> 1) & 3)``, byte
@@ -310,7 +318,7 @@ def build_partials_m128_launcher():
             q_regs = q_ops[:Q_REG_STEPS]
             lds_barrier()
 
-            k_rd = [t * KV_DIM + _swizzle(t, 2 * gp + h) * 16 for h in range(2)]
+            k_rd = _k_offsets(t, gp)
             v_base = _v_bases(t, gp)
             p_scale = (gp == 0).select(fx.Int32(E8M0_ONE), fx.Int32(E8M0_ONE - LO_SHIFT))
 
