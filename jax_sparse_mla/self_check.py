@@ -347,7 +347,7 @@ def _plan() -> dict[str, tuple[Case, ...]]:
     for qlen in configs.MLA_DECODE_QLENS:
         sign = -1 if qlen == 2 else 1  # the scale's sign enters the kernel at run time
         add(
-            configs.mla_decode_partials_launch(qlen),
+            configs.mla_decode_partials_launch(qlen, 20),
             f"qlen {qlen}, H20, 2 splits of 4 blocks, rising and falling scores, an empty "
             f"request, sm_scale {sign:+d}/24",
             P(_partials, 200 + qlen, qlen, sign * KV_DIM**-0.5),

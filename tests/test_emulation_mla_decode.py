@@ -58,6 +58,7 @@ import pytest
 from jax_sparse_mla.emulation import _arith as A
 from jax_sparse_mla.emulation import bounds as B
 from jax_sparse_mla.emulation import mla_decode as E
+from jax_sparse_mla.kernels.gfx950 import configs
 from jax_sparse_mla.reference.mla_decode import mla_decode_partials_f32
 from tests import cases as C
 from tests import oracle as O
@@ -116,7 +117,10 @@ def split_keys(case, num_splits):
     key sets of ``bounds.decode_split_keys``; ``test_partials`` checks the reference built on
     them against the oracle's partials)."""
     codes = np.asarray(case.kv_codes, np.uint8)
-    keys = B.decode_split_keys(case.kv_indices, case.kv_indptr, len(codes), case.qlen, num_splits)
+    block = configs.mla_decode_softmax_block(case.qlen, case.q.shape[1])
+    keys = B.decode_split_keys(
+        case.kv_indices, case.kv_indptr, len(codes), case.qlen, num_splits, block
+    )
     for row, s, ids, blocks in keys:
         yield row, s, O.e4m3_decode(codes[ids]), blocks
 
@@ -286,6 +290,21 @@ def test_partials(name):
     xtol = O.attn_atol(n_keys, vmax, sabs)[..., None]
     xltol = O.lse_atol(n_keys, sabs, np.where(np.isfinite(ref_lse), ref_lse, 0))
     check(out, lse, O.to_f64(xo), O.to_f64(xl), tol + xtol, lse_tol + xltol, f"{name} vs xla")
+
+
+def test_partials_softmax_block_follows_the_kernel(monkeypatch):
+    """qlen 1 with H a multiple of 128 runs the 128-row kernel's 64-key softmax blocks: the
+    same case emulated with 128-key blocks rounds differently (P's e4m3 split is taken
+    against another running max); both are within the bound (``test_partials``'s
+    ``q1_h128_s2`` and this case's own check)."""
+    case = C.decode_case(8, seq_lens=(250, 200), qlen=1, h=128, as_uint8=True)
+    assert configs.mla_decode_softmax_block(1, 128) == 64
+    ref, ref_lse, tol, lse_tol = expected_partials(case, 1)
+    out64, lse64 = run_partials(case, 1, fresh=True)
+    check(out64, lse64, ref, ref_lse, tol, lse_tol, "64-key blocks")
+    monkeypatch.setattr(configs, "mla_decode_softmax_block", lambda qlen, heads: 128)
+    out128, lse128 = run_partials(case, 1, fresh=True)
+    assert not (np.array_equal(out64, out128) and np.array_equal(lse64, lse128))
 
 
 def test_partials_vmap():

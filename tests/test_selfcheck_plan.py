@@ -104,7 +104,7 @@ def test_sparse_cases_split_and_group(plan_launches, lse):
 
 @pytest.mark.parametrize("qlen", configs.MLA_DECODE_QLENS)
 def test_decode_cases_reach_three_blocks_in_every_split(plan_launches, qlen):
-    symbol = configs.mla_decode_partials_launch(qlen)
+    symbol = configs.mla_decode_partials_launch(qlen, 20)
     (case,) = [c for c in plan_launches if c["symbol"] == symbol]
     (launch,) = case["launches"]
     splits = launch["packed"]["num_splits:i32"]

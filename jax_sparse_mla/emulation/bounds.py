@@ -33,6 +33,7 @@ from jax_sparse_mla.formats import (
     UQ_V_SCALES,
     ultraquant_unpack,
 )
+from jax_sparse_mla.kernels.gfx950 import configs
 
 EPS = 2.0**-24
 
@@ -136,9 +137,12 @@ def _combined(o_parts, lse_parts, tol, lse_tol, out_e, lse_e):
 # ---------------------------------------------------------------------------------------------
 
 
-def decode_split_keys(kv_indices, kv_indptr, tokens: int, qlen: int, num_splits: int):
-    """Yields (query row, split, token ids, 128-key blocks of the split) of every split's keys
-    that the row sees (``mla_decode_partials``' splits, causal rule and masking)."""
+def decode_split_keys(
+    kv_indices, kv_indptr, tokens: int, qlen: int, num_splits: int, block: int = 128
+):
+    """Yields (query row, split, token ids, online-softmax blocks of ``block`` keys in the
+    split) of every split's keys that the row sees (``mla_decode_partials``' splits of whole
+    128s, causal rule and masking)."""
     idx, indptr = np.asarray(kv_indices, np.int64), np.asarray(kv_indptr, np.int64)
     for r in range(len(indptr) - 1):
         start = int(indptr[r])
@@ -152,7 +156,7 @@ def decode_split_keys(kv_indices, kv_indptr, tokens: int, qlen: int, num_splits:
             j = np.arange(s * chunk, min((s + 1) * chunk, seq))
             for i in range(qlen):
                 seen = j[ok[j] & (j <= seq - qlen + i)]
-                yield r * qlen + i, s, ids[seen], -(-len(j) // 128)
+                yield r * qlen + i, s, ids[seen], -(-len(j) // block)
 
 
 def mla_decode_partials_bound(
@@ -166,7 +170,8 @@ def mla_decode_partials_bound(
     kv = np.asarray(kv, np.uint8)
     tol = 2.0**-7 * np.abs(o_e)
     lse_tol = np.zeros(lse_e.shape)
-    splits = decode_split_keys(kv_indices, kv_indptr, len(kv), qlen, o_e.shape[1])
+    block = configs.mla_decode_softmax_block(qlen, o_e.shape[2])
+    splits = decode_split_keys(kv_indices, kv_indptr, len(kv), qlen, o_e.shape[1], block)
     for row, s, ids, blocks in splits:
         if len(ids) == 0:
             continue

@@ -19,9 +19,11 @@ Partials (per request, split, query row; ``c = (sm_scale * k_scale) * f32(log2 e
   accumulation), ``t = S sg`` (exact); a key is masked (``t = -inf``, ``P = 0``) when its
   position is outside the split, its index position outside ``[0, len(kv_indices))``, its
   index outside ``[0, tokens)`` or it is causally hidden (``j > seq_len - qlen + i``).
-* Online softmax over 128-key blocks of the split (block ``b`` = positions
-  ``lo + 128 b + [0, 128)``), scaled after the max: ``m' = max(m, max_block t)`` (``m``
-  starts at -inf), ``alpha = exp2((m - m') a)`` (0 while ``m = -inf``),
+* Online softmax over blocks of ``K`` keys of the split (block ``b`` = positions
+  ``lo + K b + [0, K)``; ``K = 128``, or 64 where the 128-row kernel serves the call: qlen 1
+  and H a multiple of 128, ``configs.mla_decode_softmax_block``), scaled after the max:
+  ``m' = max(m, max_block t)`` (``m`` starts at -inf), ``alpha = exp2((m - m') a)`` (0 while
+  ``m = -inf``),
   ``P = exp2((t - m') a + 8)`` (so ``P <= 2^8``), ``l' = l alpha + sum P`` (the f32 P),
   ``O' = O alpha + sum_k Pq_k code_k`` with
   ``Pq = hi + lo / 32``, ``hi = e4m3(P)``, ``lo = e4m3((P - hi) 32)`` (``p_split``) and the raw
@@ -73,8 +75,9 @@ import jax.numpy as jnp
 from jax_sparse_mla._vma import fori_loop, vary_like
 from jax_sparse_mla.emulation._arith import LO_FACTOR, exp2, fp8_hi_lo, narrow
 from jax_sparse_mla.formats import LATENT_DIM, pow2
+from jax_sparse_mla.kernels.gfx950 import configs
 
-BLOCK = 128  # keys per block (the kernel's KV block)
+BLOCK = configs.MLA_DECODE_BLOCK  # a split is whole blocks of 128 keys
 P_SHIFT = 8.0  # P = exp2((t - m) |c| + 8) <= 2^8
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -158,15 +161,16 @@ def mla_decode_partials_gfx950_emulation(
     start, seq_len, chunk = split_bounds(kv_indptr, n, s_count)
     lo = jnp.arange(s_count, dtype=jnp.int32)[None, :] * chunk[:, None]  # [B, S]
     hi = jnp.minimum(lo + chunk[:, None], seq_len[:, None])
-    num_blocks = (jnp.max(jnp.maximum(hi - lo, 0)) + BLOCK - 1) // BLOCK
+    block = configs.mla_decode_softmax_block(qlen, h)  # keys per online-softmax block
+    num_blocks = (jnp.max(jnp.maximum(hi - lo, 0)) + block - 1) // block
     # Causal bound of row m = (i, head): position i = m // h sees j <= seq_len - qlen + i.
     pos_i = jnp.arange(m_rows, dtype=jnp.int32) // h
     bound = seq_len[:, None] - qlen + pos_i[None, :]  # [B, M]
-    offsets = jnp.arange(BLOCK, dtype=jnp.int32)
+    offsets = jnp.arange(block, dtype=jnp.int32)
 
     def step(blk, carry):
         m_run, l_run, o_run = carry
-        j = lo[:, :, None] + blk * BLOCK + offsets  # [B, S, T] key positions
+        j = lo[:, :, None] + blk * block + offsets  # [B, S, T] key positions
         pos = start[:, None, None] + j
         tok = kv_indices[jnp.clip(pos, 0, n - 1)]
         valid = (j < hi[:, :, None]) & (pos >= 0) & (pos < n) & (tok >= 0) & (tok < tokens)

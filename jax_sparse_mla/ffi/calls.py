@@ -155,11 +155,11 @@ def mla_decode_unsupported(q, kv, kv_indices, kv_indptr, *, qlen, k_scale, v_sca
 
 
 def mla_decode_partials_configurations(q, kv, kv_indices, kv_indptr, *, qlen, **_):
-    return (configs.mla_decode_partials_launch(qlen),)
+    return (configs.mla_decode_partials_launch(qlen, q.shape[1]),)
 
 
 def mla_decode_configurations(q, kv, kv_indices, kv_indptr, *, qlen, num_splits=None, **_):
-    partials = configs.mla_decode_partials_launch(qlen)
+    partials = configs.mla_decode_partials_launch(qlen, q.shape[1])
     if (num_splits or default_num_splits(q, kv_indices, kv_indptr, qlen)) == 1:
         return (partials,)  # one split writes the output itself
     return (partials, configs.MLA_DECODE_COMBINE)

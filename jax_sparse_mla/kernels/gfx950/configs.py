@@ -28,6 +28,9 @@ MLA_DECODE_COMBINE_THREADS = 256  # 4 waves, one merged row each
 ULTRAQUANT_THREADS = 64  # one wave: the decode partials and the reduce
 MLA_DECODE_ROWS = 16  # query rows (head x position) per partials CTA
 MLA_DECODE_BLOCK = 128  # keys per partials block; a split is whole blocks
+MLA_DECODE_M128_ROWS = 128  # query rows per CTA of the 128-row partials kernel (qlen 1)
+MLA_DECODE_M128_BLOCK = 64  # its online-softmax block (keys); its splits stay whole 128s
+MLA_DECODE_M128 = "jsm_mla_decode_partials_m128"
 ULTRAQUANT_TILE = 16  # tokens per QK / PV MFMA step (one block-table read each)
 ULTRAQUANT_TILE_GROUP = 128  # tokens per partition work item
 ULTRAQUANT_WORKGROUPS_PER_CU = 12  # one-wave decode groups a CU's 160 KiB LDS holds
@@ -87,9 +90,23 @@ MLA_DECODE_COMBINE = "jsm_mla_decode_combine"
 ULTRAQUANT_REDUCE = "jsm_ultraquant_reduce"
 
 
-def mla_decode_partials_launch(qlen: int) -> str:
-    """The partials configuration of ``qlen`` query positions per request."""
+def mla_decode_uses_m128(qlen: int, heads: int) -> bool:
+    """Whether ``mla_decode``'s partials of ``qlen`` positions and ``heads`` heads run the
+    128-row kernel: one position and whole groups of 128 heads (each K tile requested once
+    per group; at other H a 128-row CTA would leave rows idle, so the 16-row kernels run)."""
+    return qlen == 1 and heads % MLA_DECODE_M128_ROWS == 0
+
+
+def mla_decode_partials_launch(qlen: int, heads: int) -> str:
+    """The partials configuration of ``qlen`` query positions per request and ``heads``."""
+    if mla_decode_uses_m128(qlen, heads):
+        return MLA_DECODE_M128
     return f"jsm_mla_decode_partials_q{qlen}"
+
+
+def mla_decode_softmax_block(qlen: int, heads: int) -> int:
+    """Keys per online-softmax block of the partials configuration that serves the call."""
+    return MLA_DECODE_M128_BLOCK if mla_decode_uses_m128(qlen, heads) else MLA_DECODE_BLOCK
 
 
 def kernel_group_size(g: int) -> int | None:
