@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import struct
@@ -12,8 +13,10 @@ import textwrap
 
 import pytest
 
+from jax_sparse_mla._build import build_lib
 from jax_sparse_mla._build.build import resource_problems, toolchain_env
 from jax_sparse_mla._build.codeobject import KernelResources, _unpack_msgpack, read_kernel_resources
+from jax_sparse_mla.kernels.gfx950 import configs
 
 
 def resources(**kw) -> KernelResources:
@@ -156,3 +159,22 @@ def test_a_crashing_configuration_is_named(tmp_path, monkeypatch):
     assert sorted(calls) == [[0, 1, 2], [3], [3, 4, 5], [4], [5]]  # two chunks, then singles
     done = sorted(p.name for p in tmp_path.glob("*.json"))
     assert done == [f"jsm_fake_{i}.json" for i in (0, 1, 2, 4, 5)]
+
+
+@pytest.fixture(scope="module")
+def manifest() -> dict[str, dict]:
+    """The kernel build's manifest entries by symbol (``python -m jax_sparse_mla.build``)."""
+    path = build_lib.DEFAULT_KERNEL_DIR / "manifest.json"
+    if not path.exists():
+        pytest.skip(f"no kernel build at {path.parent}: python -m jax_sparse_mla.build")
+    return {e["symbol"]: e for e in json.loads(path.read_text())["kernels"]}
+
+
+@pytest.mark.parametrize("symbol", sorted(configs.all_symbols()))
+def test_built_configuration_meets_its_design(manifest, symbol):
+    """Every configuration is built, read back from its own code object: no spill, no
+    scratch, LDS <= 160 KiB and its design occupancy (what ``--report`` checks)."""
+    entry = manifest[symbol]
+    obj = (build_lib.DEFAULT_KERNEL_DIR / entry["object"]).read_bytes()
+    (r,) = read_kernel_resources(obj)
+    assert resource_problems(r, entry["design_waves_per_simd"]) == []

@@ -29,6 +29,9 @@ def test_kernel_modules_launch_the_listed_threads_per_workgroup():
     assert (decode.BLOCK, decode.ROWS) == (configs.MLA_DECODE_BLOCK, configs.MLA_DECODE_ROWS)
     assert module("sparse_mla").THREADS == configs.SPARSE_MLA_THREADS
     assert module("mla_decode").THREADS == configs.MLA_DECODE_PARTIALS_THREADS
+    m128 = module("mla_decode_m128")
+    assert (m128.ROWS, m128.BLOCK) == (configs.MLA_DECODE_M128_ROWS, configs.MLA_DECODE_M128_BLOCK)
+    assert m128.THREADS == configs.MLA_DECODE_PARTIALS_THREADS and m128.SPLIT_UNIT == decode.BLOCK
     assert 64 * module("mla_decode").COMBINE_WAVES == configs.MLA_DECODE_COMBINE_THREADS
     assert module("ultraquant").THREADS == configs.ULTRAQUANT_THREADS
 
@@ -57,13 +60,35 @@ def test_handlers_header_is_generated_from_the_list():
     assert "constexpr int64_t kSparseMaxHeads = 16;" in header
     assert "KernelQlen(int64_t v) { return v == 1 || v == 2 || v == 4; }" in header
     assert 'KernelBlockSizeText = "16, 32, 64, 128, 256"' in header
+    assert "constexpr int64_t kMlaDecodeM128Rows = 128;" in header
+    assert 'constexpr const char* kMlaDecodeM128 = "jsm_mla_decode_partials_m128";' in header
+    assert "return qlen == 1 && heads % kMlaDecodeM128Rows == 0;" in header
     handlers = (build_lib.CSRC / "handlers.cc").read_text()
     assert '#include "jsm_configs.h"' in handlers
-    for hard_coded in ("qlen != 1", "g == 6", "bs == 16", "kSparseMaxHeads =", "bits != 8"):
-        assert hard_coded not in handlers
+    hard_coded = ("qlen != 1", "g == 6", "bs == 16", "kSparseMaxHeads =", "bits != 8", "% 128")
+    for text in (*hard_coded, "qlen == 1", '_m128"', "/ 16;", "+ 15"):
+        assert text not in handlers
 
 
 def test_symbols_are_unique_c_identifiers():
     names = [s for group in configs.symbols().values() for s in group]
     assert len(names) == len(set(names)) == len(configs.all_symbols())
     assert all(s.startswith("jsm_") and s.isidentifier() for s in names)
+
+
+@pytest.mark.parametrize(
+    ("qlen", "heads", "symbol", "block"),
+    [
+        (1, 128, configs.MLA_DECODE_M128, 64),
+        (1, 256, configs.MLA_DECODE_M128, 64),
+        (1, 16, "jsm_mla_decode_partials_q1", 128),
+        (1, 192, "jsm_mla_decode_partials_q1", 128),
+        (2, 128, "jsm_mla_decode_partials_q2", 128),
+    ],
+)
+def test_mla_decode_partials_launch(qlen, heads, symbol, block):
+    """qlen 1 and whole groups of 128 heads run the 128-row kernel (64-key softmax blocks);
+    every other call the 16-row kernel of its qlen."""
+    assert configs.mla_decode_partials_launch(qlen, heads) == symbol
+    assert configs.mla_decode_softmax_block(qlen, heads) == block
+    assert symbol in configs.user_symbols()

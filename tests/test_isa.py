@@ -30,7 +30,9 @@ from jax_sparse_mla.kernels.gfx950 import configs
 SYMBOLS = sorted(configs.all_symbols())
 
 # Per kernel module: (s_barrier count, of which an LDS DMA may be in flight at).
+# The first prefix that a symbol starts with counts.
 DESIGN = {
+    "mla_decode_partials_m128": (2, 0),  # zeroed slots; per block: top (its DMA landed)
     "mla_decode_partials": (5, 2),  # zeroed slots; per block: top, row maxima, P; epilogue
     "sparse_mla": (4, 0),  # per tile: top, row maxima, P; epilogue (the DMA waits at the top)
 }
@@ -203,7 +205,8 @@ def test_first_gather_waits_for_no_q_load(built, symbol):
     """Before the first LDS DMA is issued, nothing waits for q's words (the first
     ``global_load_dwordx4``) ahead of the loads of the entries that the DMA needs (the last
     ``buffer_load`` before it): sparse_mla loads q's words and tile 0's entries together and
-    splits q while the DMA is in flight; mla_decode loads q after issuing block 0's DMA. The
+    splits q while the DMA is in flight; mla_decode (both partials kernels, the 128-row one
+    included) loads q after issuing block 0's DMA. The
     previous order (q loaded and its maximum taken, then the entries, then the DMA) paid one
     memory latency more before the first gather left."""
     code = _instructions(kernel(built, symbol))

@@ -54,7 +54,7 @@ from jax_sparse_mla._build.codeobject import (
 from jax_sparse_mla._build.isa import assemble_kernel
 
 ARCHS = ("gfx950",)
-KERNEL_MODULES = ("sparse_mla", "mla_decode", "ultraquant", "probe")
+KERNEL_MODULES = ("sparse_mla", "mla_decode", "mla_decode_m128", "ultraquant", "probe")
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 
@@ -337,7 +337,9 @@ def report(manifest: dict) -> int:
             )
     n = sum(len(e["resources"]) for e in manifest["kernels"])
     print(f"{n} kernels in {len(manifest['kernels'])} configurations; {bad} failing the checks")
-    importlib.import_module(f"jax_sparse_mla.kernels.{manifest['arch']}_model").print_report(manifest)
+    importlib.import_module(f"jax_sparse_mla.kernels.{manifest['arch']}_model").print_report(
+        manifest
+    )
     return bad
 
 

@@ -28,7 +28,8 @@ MLA_DECODE_COMBINE_THREADS = 256  # 4 waves, one merged row each
 ULTRAQUANT_THREADS = 64  # one wave: the decode partials and the reduce
 MLA_DECODE_ROWS = 16  # query rows (head x position) per partials CTA
 MLA_DECODE_BLOCK = 128  # keys per partials block; a split is whole blocks
-MLA_DECODE_M128_ROWS = 128  # query rows per CTA of the 128-row partials kernel (qlen 1)
+MLA_DECODE_M128_ROWS = 128  # query rows per CTA of the 128-row partials kernel
+MLA_DECODE_M128_QLEN = 1  # the query positions per request it serves
 MLA_DECODE_M128_BLOCK = 64  # its online-softmax block (keys); its splits stay whole 128s
 MLA_DECODE_M128 = "jsm_mla_decode_partials_m128"
 ULTRAQUANT_TILE = 16  # tokens per QK / PV MFMA step (one block-table read each)
@@ -48,6 +49,7 @@ def symbols() -> dict[str, tuple[str, ...]]:
             *(f"jsm_mla_decode_partials_q{q}" for q in MLA_DECODE_QLENS),
             MLA_DECODE_COMBINE,
         ),
+        "mla_decode_m128": (MLA_DECODE_M128,),
         "ultraquant": (
             *(
                 f"jsm_ultraquant_decode_g{g}_bs{bs}"
@@ -94,7 +96,7 @@ def mla_decode_uses_m128(qlen: int, heads: int) -> bool:
     """Whether ``mla_decode``'s partials of ``qlen`` positions and ``heads`` heads run the
     128-row kernel: one position and whole groups of 128 heads (each K tile requested once
     per group; at other H a 128-row CTA would leave rows idle, so the 16-row kernels run)."""
-    return qlen == 1 and heads % MLA_DECODE_M128_ROWS == 0
+    return qlen == MLA_DECODE_M128_QLEN and heads % MLA_DECODE_M128_ROWS == 0
 
 
 def mla_decode_partials_launch(qlen: int, heads: int) -> str:
@@ -131,8 +133,8 @@ def user_symbols() -> tuple[str, ...]:
 
 
 def cpp_header() -> str:
-    """``jsm_configs.h``: the sets above as C++ constants and membership tests, and the
-    threads per workgroup."""
+    """``jsm_configs.h``: the sets above as C++ constants and membership tests, the threads
+    per workgroup, and which mla_decode partials kernel serves a call."""
 
     def member(name: str, values: tuple[int, ...]) -> list[str]:
         test = " || ".join(f"v == {v}" for v in values)
@@ -152,6 +154,13 @@ def cpp_header() -> str:
             f"constexpr int64_t kSparseMlaThreads = {SPARSE_MLA_THREADS};",
             f"constexpr int64_t kMlaDecodePartialsThreads = {MLA_DECODE_PARTIALS_THREADS};",
             f"constexpr int64_t kMlaDecodeCombineThreads = {MLA_DECODE_COMBINE_THREADS};",
+            f"constexpr int64_t kMlaDecodeRows = {MLA_DECODE_ROWS};",
+            f"constexpr int64_t kMlaDecodeM128Rows = {MLA_DECODE_M128_ROWS};",
+            f'constexpr const char* kMlaDecodeM128 = "{MLA_DECODE_M128}";',
+            "// mla_decode_uses_m128: the 128-row partials serve the call",
+            "constexpr bool MlaDecodeUsesM128(int64_t qlen, int64_t heads) {",
+            f"  return qlen == {MLA_DECODE_M128_QLEN} && heads % kMlaDecodeM128Rows == 0;",
+            "}",
             f"constexpr int64_t kUltraquantThreads = {ULTRAQUANT_THREADS};",
             *member("KernelQlen", MLA_DECODE_QLENS),
             *member("KernelGroupSize", ULTRAQUANT_GROUP_SIZES),

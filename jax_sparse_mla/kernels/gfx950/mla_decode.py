@@ -2,7 +2,7 @@
 
 ``jax_sparse_mla.emulation.mla_decode`` mirrors this arithmetic in jax (its docstring states the
 kernel-vs-emulation bound). Symbols: ``jsm_mla_decode_partials_q{1,2,4}`` and
-``jsm_mla_decode_combine``.
+``jsm_mla_decode_combine`` (the 128-row ``jsm_mla_decode_partials_m128``: ``mla_decode_m128.py``).
 
 Partials: request ``r``'s key positions ``j < seq_len = max(indptr[r+1] - indptr[r], 0)`` (key
 ``kv_indices[indptr[r] + j]``) are cut into splits ``[s c, min((s + 1) c, seq_len))``,
@@ -77,22 +77,17 @@ ones. The CTAs of one (split, request) run on one XCD (block ids ``8 k + x`` go 
 round-robin dispatch assumed), so a split's K rows come from HBM once per XCD L2 and are
 requested ``G`` times from it.
 
-All heads in one CTA (``mla_decode_m128.py`` compiles a register plan that fits, not launched
-yet; docs/mi355.md has the numbers). With up to 128 rows per CTA, wave ``w`` owning rows
-``[16w, 16w + 16)`` over every key of the block, K would be requested once per (request, split),
-the row max and l stay in the wave (one barrier per block), and P stays in registers: lane (row
-``t``, group ``g``) holds keys ``16 kt + 4 g + r`` (``kt`` < 8, ``r`` < 4) of its QK tiles,
-which is the PV B operand when K index ``32 g + 4 kt + r`` is that key and each
-``ds_read_b64_tr_b8`` fetches keys ``32 r' + 16 (k // 4) + 4 g + k % 4``. With q's hi and lo all
-in VGPRs it does not fit 8 waves: their 256 unified VGPRs per lane must hold O (16 rows x 512
-f32 = 128), q's hi and lo (72) and the block's scores (32). Compiled prototypes of that loop
-(not kept) took 256 VGPRs and spilled 28 to 111 (128- or 64-key blocks, q's lo from LDS,
-scheduling barriers per tile), and 4 waves of 32 rows at 1 wave per SIMD 512 (half AGPRs),
-spilling 735 to 1177; LDS leaves no room for all of q (hi and lo: 147456 B beside two 128-key K
-slots); with 64-key blocks and q's QK steps 5..8 in LDS, read steps outer, it fits
-(``mla_decode_m128.py``). The peer kernel serving 128 heads per CTA (FlyDSL's
-``mla_fwd_decode_m16x8_fp8_fp8``: 8 waves, one CTA per CU, 64-key blocks) takes an fp8 q: 36
-VGPRs, not 72.
+All heads in one CTA: at qlen 1 with H a multiple of 128 (``configs.mla_decode_uses_m128``) the
+handler launches ``mla_decode_m128.py``'s 128-row kernel instead, which requests each K row once
+per (request, split) rather than ``H / 16`` times (64-key softmax blocks, q's QK steps 5..8 in
+LDS, P in registers; its docstring and docs/mi355.md have the numbers). These 16-row kernels
+serve every other call. Why not 128 rows with q's hi and lo all in VGPRs: 8 waves give 256
+unified VGPRs per lane, which must hold O (16 rows x 512 f32 = 128), q's hi and lo (72) and the
+block's scores (32); compiled prototypes of that loop (not kept) took 256 VGPRs and spilled 28
+to 111 (128- or 64-key blocks, q's lo from LDS, scheduling barriers per tile), and 4 waves of 32
+rows at 1 wave per SIMD 512 (half AGPRs), spilling 735 to 1177. The peer kernel serving 128
+heads per CTA (FlyDSL's ``mla_fwd_decode_m16x8_fp8_fp8``: 8 waves, one CTA per CU, 64-key
+blocks) takes an fp8 q: 36 VGPRs, not 72.
 
 Relative to the reference design it started from (a gfx950 MLA decode kernel outside this
 repository): no warp specialization (WSPEC: every wave does the QK of its 16 keys and

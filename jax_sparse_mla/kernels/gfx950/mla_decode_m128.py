@@ -1,22 +1,22 @@
 """gfx950 (MI355) ``mla_decode`` partials with all 128 heads of a request in one CTA (qlen 1).
 
-NOT LAUNCHED YET: compiled by ``tests/test_mla_decode_m128.py`` only (which also runs one
-block through its lane mappings in numpy, ``test_kernel_layout``); not in ``CONFIGS``, the
-build, the FFI handlers, the ops, the model or the self-check. It is the design of an additional
-configuration beside the 16-row kernels of ``mla_decode.py`` (which stay for small H: at H = 16
-a 128-row CTA would waste 7/8 of its MFMAs). Its point: every K tile of a (request, split) is
-requested from L2 once for up to 128 heads (the 16-row kernels request it ``ceil(H / 16)`` times),
+Launched where ``configs.mla_decode_uses_m128`` (qlen 1 and H a multiple of 128: the FFI
+handler's choice, ``jsm_configs.h``); other calls run the 16-row kernels of ``mla_decode.py``
+(at H = 16 a 128-row CTA would waste 7/8 of its MFMAs). Its point: every K tile of a (request,
+split) is requested from L2 once for 128 heads (the 16-row kernels request it ``H / 16`` times),
 like FlyDSL's public ``mla_fwd_decode_m16x8_fp8_fp8`` (8 waves, one CTA per CU, 64-key blocks),
 which however takes an fp8 q; this kernel keeps the bf16-faithful q split into e4m3 hi + lo.
+Never run on an MI355: compiled on the CPU, its launches recorded, its lane mappings run in
+numpy (``tests/test_mla_decode_m128.py::test_kernel_layout``), its arithmetic mirrored by
+``jax_sparse_mla.emulation.mla_decode`` (64-key blocks where this kernel serves the call).
 
 Arithmetic: exactly ``mla_decode.py``'s (its module docstring: q split, scores by scaled MFMAs,
 masking, ``P = exp2((t - m') a + 8)`` split into e4m3 hi + lo, ``o = bf16(O (v_scale / l))``,
 the LSE, the splits ``c = 128 ceil(seq_len / (128 S))`` and the partials ABI) except the online
 softmax block: 64 keys instead of 128 (the running max, alpha and the f32 sums change at
-64-key boundaries, so ``jax_sparse_mla.emulation.mla_decode`` with its 128-key blocks is not yet
-this kernel's emulation). qlen 1 only (row ``n`` = head ``128 hg + n``): the causal rule's
-V zeroing (qlen > 1) is not designed here. ``l`` is summed per lane over its keys, then over
-the 4 lane groups at the end.
+64-key boundaries; ``configs.mla_decode_softmax_block``, which the emulation and its bound
+follow). qlen 1 only (row ``n`` = head ``128 hg + n``): the causal rule's V zeroing (qlen > 1) is
+not designed here. ``l`` is summed per lane over its keys, then over the 4 lane groups at the end.
 
 Work decomposition: a 512-thread CTA (8 waves) per (group of 128 heads, split, request), the
 grid and work-item order of ``mla_decode.py`` with ``G = ceil(H / 128)``. Wave ``w`` owns rows
@@ -37,7 +37,9 @@ wave: one ``s_barrier`` per block (its K rows landed; the other slot is free). P
   (byte ``r``: key ``16 kt + 4 g + r``); ``v_permlane32_swap(hi, lo)`` (LLVM's
   ``llvm.amdgcn.permlane32.swap``: rows 2 and 3 of the first operand are swapped with rows 0
   and 1 of the second; the first result is the first operand's; no MI355 probe checks this
-  direction yet, the other kernels swap a value with itself) leaves lane group ``g < 2``
+  direction, the other kernels swap a value with itself; on an MI355 the self-check's cases of
+  this configuration would catch the other direction: P's hi and lo of the wrong keys pair with
+  V, so o leaves the emulation's bound) leaves lane group ``g < 2``
   with hi of keys ``16 kt + 4 g + r`` and of ``16 kt + 4 (g + 2) + r`` and group ``g >= 2`` with
   the lo of the same keys. So operand byte ``b`` of lane group g holds key
   ``16 kt + 4 ((g & 1) + 2 h) + r`` (``h = b // 16``, ``kt = b % 16 // 4``, ``r = b % 4``): hi
@@ -55,8 +57,9 @@ LDS (bytes, static, 139264, one CTA per CU): two K slots ``[64 keys][576 B]`` at
 (``mla_decode.py``'s 16-B chunk swizzle), then q's QK steps 5..8: ``[4 steps][512 lanes]
 [32 B]`` at 73728, each lane's own B operands (written and read by the same lane: no
 barrier). Registers (per lane, 2 waves per SIMD: 256): O 128, q's steps 0..4 40, the 4 score
-accumulators 16, the P operand 8; measured (FlyDSL 0.5, gfx950): 248 VGPRs, 0 AGPRs, no spill,
-no scratch, 65 SGPRs.
+accumulators 16, the P operand 8; measured (FlyDSL 0.5, gfx950, the build's report): 254
+VGPRs, 0 AGPRs, no spill, no scratch, 65 SGPRs (248 before block 0's DMA was moved ahead of q's
+split: ``mla_decode.py``'s prologue order, so the first gather is in flight while q loads).
 
 Per (row, key) it issues the 16-row kernels' MFMAs (QK 9 per 16 keys x 16 rows, PV 1 per 16
 latents x 64 keys x 16 rows where those run 2 per 128 keys) and reads about 1.1x their LDS
@@ -73,6 +76,8 @@ R = 9 (all of q) 256 / 25 / 104 / 73728; without the barriers R = 4 252 / 0 / 0,
 256 / 2 / 12, without barriers 15 spilled VGPRs for R = 4 to 7. R <= 3 needs more than 160 KiB
 of LDS.
 """
+
+import dataclasses
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
@@ -107,6 +112,11 @@ from jax_sparse_mla.kernels.gfx950._primitives import (
     uniform,
 )
 from jax_sparse_mla.kernels.gfx950.configs import MLA_DECODE_BLOCK as SPLIT_UNIT
+from jax_sparse_mla.kernels.gfx950.configs import (
+    MLA_DECODE_M128,
+    MLA_DECODE_M128_BLOCK,
+    MLA_DECODE_M128_ROWS,
+)
 from jax_sparse_mla.kernels.gfx950.configs import MLA_DECODE_PARTIALS_THREADS as THREADS
 from jax_sparse_mla.kernels.gfx950.mla_decode import (
     E8M0_ONE,
@@ -125,9 +135,8 @@ from jax_sparse_mla.kernels.gfx950.mla_decode import (
     _tr8,
 )
 
-SYMBOL = "jsm_mla_decode_partials_m128_q1"
-ROWS = 128  # query rows (heads) per CTA
-BLOCK = 64  # keys per online-softmax block (a split is whole SPLIT_UNIT = 128 positions)
+ROWS = MLA_DECODE_M128_ROWS  # 128 query rows (heads) per CTA
+BLOCK = MLA_DECODE_M128_BLOCK  # 64 keys per online-softmax block (a split: whole 128s)
 WAVES = THREADS // 64  # 8: wave w owns rows [16 w, 16 w + 16)
 KEY_TILES = BLOCK // 16  # 4 QK tiles of 16 keys
 LAT_TILES = LATENT // 16  # 32 PV tiles of 16 latents per wave
@@ -139,6 +148,24 @@ Q_REG_STEPS = 5  # QK steps of q held in VGPRs; steps 5..8 are read from LDS eve
 Q_STEP_BYTES = THREADS * 32  # one QK step of q, all lanes: 16 KiB
 LDS_Q = 2 * SLOT_BYTES  # 73728
 LDS_BYTES = LDS_Q + (QK_STEPS - Q_REG_STEPS) * Q_STEP_BYTES  # 139264
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The one configuration of this module (the build's ``CONFIGS``)."""
+
+    kernel: str = "mla_decode_partials_m128"
+
+    @property
+    def symbol(self) -> str:
+        return MLA_DECODE_M128
+
+    @property
+    def design_waves_per_simd(self) -> int:
+        return PARTIALS_WAVES_PER_EU
+
+
+CONFIGS: tuple[Config, ...] = (Config(),)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,7 +272,7 @@ def build_partials_m128_launcher():
     class Smem:
         raw: fx.Array[fx.Uint8, LDS_BYTES, 16]
 
-    @flyc.kernel(name=SYMBOL, known_block_size=[THREADS, 1, 1])
+    @flyc.kernel(name=MLA_DECODE_M128, known_block_size=[THREADS, 1, 1])
     def partials_kernel(
         Q: fx.Tensor,
         KV: fx.Tensor,
@@ -304,20 +331,6 @@ def build_partials_m128_launcher():
             sg = (c2 < 0.0).select(fx.Float32(-1.0), fx.Float32(1.0))
             ac2 = c2 * sg
 
-            # ---- zeroed K slots; q split, steps 5..8 to this lane's LDS
-            zero4 = Vec.filled(4, 0, fx.Int32)
-            for i in range_constexpr(2 * SLOT_BYTES // (16 * THREADS)):
-                _store_lds(lds0 + (i * THREADS + tid) * 16, zero4, 16)
-            q_ops, q_scale_b = _q_operands(q_lane, row_ok, g)
-            q_lds = lds0 + LDS_Q + tid * 32
-            for s in range_constexpr(Q_REG_STEPS, QK_STEPS):
-                at = q_lds + (s - Q_REG_STEPS) * Q_STEP_BYTES
-                _store_lds(at, Vec.from_elements([q_ops[s][k] for k in range(4)], fx.Int32), 16)
-                words = [q_ops[s][k] for k in range(4, 8)]
-                _store_lds(at + 16, Vec.from_elements(words, fx.Int32), 16)
-            q_regs = q_ops[:Q_REG_STEPS]
-            lds_barrier()
-
             k_rd = _k_offsets(t, gp)
             v_base = _v_bases(t, gp)
             p_scale = (gp == 0).select(fx.Int32(E8M0_ONE), fx.Int32(E8M0_ONE - LO_SHIFT))
@@ -354,9 +367,25 @@ def build_partials_m128_launcher():
                             alias_scopes=_dma_scope(),
                         )
 
-            key_cur = check_index(load_index(0), 0)
+            # Zero both slots (a masked key's slot then holds finite bytes), then block 0's DMA,
+            # then q's split (mla_decode.py's order: the first gather is in flight while q is
+            # loaded); q's steps 5..8 go to this lane's own LDS (read back by the same lane).
+            raw_cur = load_index(0)
+            zero4 = Vec.filled(4, 0, fx.Int32)
+            for i in range_constexpr(2 * SLOT_BYTES // (16 * THREADS)):
+                _store_lds(lds0 + (i * THREADS + tid) * 16, zero4, 16)
+            lds_barrier()
+            key_cur = check_index(raw_cur, 0)
             dma(key_cur, 0)
             raw_next = load_index(1)
+            q_ops, q_scale_b = _q_operands(q_lane, row_ok, g)
+            q_lds = lds0 + LDS_Q + tid * 32
+            for s in range_constexpr(Q_REG_STEPS, QK_STEPS):
+                at = q_lds + (s - Q_REG_STEPS) * Q_STEP_BYTES
+                _store_lds(at, Vec.from_elements([q_ops[s][k] for k in range(4)], fx.Int32), 16)
+                words = [q_ops[s][k] for k in range(4, 8)]
+                _store_lds(at + 16, Vec.from_elements(words, fx.Int32), 16)
+            q_regs = q_ops[:Q_REG_STEPS]
 
             m_run = fx.Float32(NEG_INF)
             l_run = fx.Float32(0.0)
@@ -457,8 +486,8 @@ def build_partials_m128_launcher():
     return launch
 
 
-def compile_partials_m128():
-    """Compiles the kernel from small CPU example tensors (no launch)."""
+def compile_config(config: Config):
+    """Compiles the configuration from small CPU example tensors (no launch)."""
     b, h, s, tokens, n_idx = 2, ROWS, 2, 8, 8
     q = torch.zeros(b * h * KV_DIM, dtype=torch.bfloat16)
     kv = torch.zeros(tokens * KV_DIM, dtype=torch.uint8)
