@@ -125,6 +125,8 @@ def scenarios():
         "sparse_big_cache": lambda: sparse(2, 16, BIG_RECORDS, 4, True),
         "decode_q2": lambda: decode(3, 2, 16, 4, 50),
         "decode_q1_h128": lambda: decode(2, 1, 128, 1, 20),
+        "decode_q1_h256": lambda: decode(3, 1, 256, 3, 30),
+        "decode_q1_h20": lambda: decode(2, 1, 20, 2, 20),
         "ultraquant_g8": lambda: ultraquant(2, 2, 8, 32, 3),
         "ultraquant_g3": lambda: ultraquant(2, 2, 3, 16, 1),
     }
@@ -206,6 +208,8 @@ GRID_CASES = {
     "sparse_h40_splits": ("jsm_sparse_mla", (2, 8, 2)),
     "decode_q2": ("jsm_mla_decode_partials", (3, 16, 4, 2)),  # B, H, S, qlen
     "decode_q1_h128": ("jsm_mla_decode_partials", (2, 128, 1, 1)),
+    "decode_q1_h256": ("jsm_mla_decode_partials", (3, 256, 3, 1)),
+    "decode_q1_h20": ("jsm_mla_decode_partials", (2, 20, 2, 1)),
     "decode_q2_combine": ("jsm_mla_decode_combine", (6, 16)),  # n = B * qlen, H
     "ultraquant_g8": ("jsm_ultraquant_partials", (2, 2, 3)),  # B, Hk, P
     "ultraquant_g8_reduce": ("jsm_ultraquant_reduce", (2, 16)),  # B, Hq
@@ -215,6 +219,8 @@ GRID_CASES = {
     "sparse_splits_past": ("jsm_sparse_mla", (2**18, 8, 8)),
     "partials_at": ("jsm_mla_decode_partials", (2**20 - 1, 16, 8, 1)),
     "partials_past": ("jsm_mla_decode_partials", (2**20, 16, 8, 1)),
+    "partials_m128_at": ("jsm_mla_decode_partials", (2**20 - 1, 128, 8, 1)),
+    "partials_m128_past": ("jsm_mla_decode_partials", (2**20, 128, 8, 1)),
     "combine_at": ("jsm_mla_decode_combine", (2**24 - 1, 4)),
     "combine_past": ("jsm_mla_decode_combine", (2**24, 4)),
     "uq_at": ("jsm_ultraquant_partials", (2**26 - 1, 1, 1)),
@@ -393,7 +399,7 @@ def test_code_objects_load_once_per_device(recorded):
             else:
                 assert event["kernel"] in loaded
         assert [e["event"] for e in r["again"]] == ["launch"] * len(launches(r["events"]))
-    assert len(loaded) == 14
+    assert len(loaded) == 15  # the 128-row partials beside the q1 and q2 ones
 
 
 def test_cache_over_4_gib(recorded):
@@ -410,23 +416,28 @@ def test_cache_over_4_gib(recorded):
     )
 
 
+M128 = "jsm_mla_decode_partials_m128"
+
+
 @pytest.mark.parametrize(
-    ("name", "batch", "qlen", "h", "splits", "tokens"),
-    [("decode_q2", 3, 2, 16, 4, 50), ("decode_q1_h128", 2, 1, 128, 1, 20)],
+    ("name", "batch", "qlen", "h", "splits", "tokens", "kernel", "groups"),
+    [
+        ("decode_q2", 3, 2, 16, 4, 50, "jsm_mla_decode_partials_q2", 2),  # 16 rows per CTA
+        ("decode_q1_h128", 2, 1, 128, 1, 20, M128, 1),  # 128 heads per CTA
+        ("decode_q1_h256", 3, 1, 256, 3, 30, M128, 2),
+        ("decode_q1_h20", 2, 1, 20, 2, 20, "jsm_mla_decode_partials_q1", 2),
+    ],
 )
-def test_mla_decode_partials_then_combine(recorded, name, batch, qlen, h, splits, tokens):
-    """The partials, then the combine of their splits; one split's partial is the output (no
-    combine launched)."""
+def test_mla_decode_partials_then_combine(
+    recorded, name, batch, qlen, h, splits, tokens, kernel, groups
+):
+    """The partials (the 128-row kernel at qlen 1 with H a multiple of 128, else the 16-row
+    kernel of qlen: G head groups), then the combine of their splits; one split's partial is
+    the output (no combine launched)."""
     r = recorded[name]
     part, *comb = launches(r["events"])
     assert len(comb) == (splits > 1)
-    groups = math.ceil(h * qlen / 16)  # 16 query rows per CTA
-    check_launch(
-        part,
-        f"jsm_mla_decode_partials_q{qlen}",
-        (8 * groups * math.ceil(batch * splits / 8), 1, 1),
-        (512, 1, 1),
-    )
+    check_launch(part, kernel, (8 * groups * math.ceil(batch * splits / 8), 1, 1), (512, 1, 1))
     a = packed(part)
     n = batch * qlen
     assert (a["Q:p"], a["Q:L1"]) == (r["pointers"]["q"], n * h * 576)
@@ -593,7 +604,9 @@ def test_handlers_reject_bad_buffers(recorded, name):
         ("sparse_h20_lse", "sparse_h20_lse", "jsm_sparse_mla_h16_l1"),
         ("sparse_h40_splits", "sparse_h40_splits", "jsm_sparse_mla_h16_l1"),
         ("decode_q2", "decode_q2", "jsm_mla_decode_partials_q2"),
-        ("decode_q1_h128", "decode_q1_h128", "jsm_mla_decode_partials_q1"),
+        ("decode_q1_h128", "decode_q1_h128", M128),
+        ("decode_q1_h256", "decode_q1_h256", M128),
+        ("decode_q1_h20", "decode_q1_h20", "jsm_mla_decode_partials_q1"),
         ("decode_q2_combine", "decode_q2", "jsm_mla_decode_combine"),
         ("ultraquant_g8", "ultraquant_g8", "jsm_ultraquant_decode_g8_bs32"),
         ("ultraquant_g8_reduce", "ultraquant_g8", "jsm_ultraquant_reduce"),
@@ -619,6 +632,13 @@ SPARSE_X = "8 * head groups * ceil(n_q * S / 8)"
             "partials",
             "jsm_mla_decode_partials",
             "8 * ceil(H * qlen / 16) * ceil(B * S / 8)",
+            512,
+            2**23 - 8,
+        ),
+        (
+            "partials_m128",
+            "jsm_mla_decode_partials",
+            "8 * (H / 128) * ceil(B * S / 8)",
             512,
             2**23 - 8,
         ),

@@ -135,9 +135,15 @@ Grid SparseMlaGrid(int64_t n_q, int64_t splits, int64_t groups) {
           "8 * head groups * ceil(n_q * S / 8)"};
 }
 
+// The 128-row kernel where MlaDecodeUsesM128 (H / 128 head groups), else the 16-row ones.
 Grid MlaDecodePartialsGrid(int64_t batch, int64_t heads, int64_t splits, int64_t qlen) {
-  const int64_t head_groups = (heads * qlen + 15) / 16;  // 16 query rows per CTA
-  return {8 * head_groups * ((batch * splits + 7) / 8), 1, 1, kMlaDecodePartialsThreads,
+  const int64_t items = 8 * ((batch * splits + 7) / 8);
+  if (MlaDecodeUsesM128(qlen, heads)) {
+    return {heads / kMlaDecodeM128Rows * items, 1, 1, kMlaDecodePartialsThreads,
+            "8 * (H / 128) * ceil(B * S / 8)"};
+  }
+  const int64_t head_groups = (heads * qlen + kMlaDecodeRows - 1) / kMlaDecodeRows;
+  return {head_groups * items, 1, 1, kMlaDecodePartialsThreads,
           "8 * ceil(H * qlen / 16) * ceil(B * S / 8)"};
 }
 
@@ -286,7 +292,10 @@ Error MlaDecodePartials(void* stream, int32_t device, AnyBuffer q, AnyBuffer kv,
       .I32("n_indices", n_indices).I32("tokens", std::min(kv.dimensions()[0], kInt32Max))
       .F32("k_scale", k_scale).F32("v_scale", v_scale).F32("sm_scale", sm_scale)
       .Stream(stream);
-  return Launch("jsm_mla_decode_partials_q" + std::to_string(qlen), args, device);
+  const std::string kernel = MlaDecodeUsesM128(qlen, heads)
+                                 ? std::string(kMlaDecodeM128)
+                                 : "jsm_mla_decode_partials_q" + std::to_string(qlen);
+  return Launch(kernel, args, device);
 }
 
 Error MlaDecodeCombine(void* stream, int32_t device, AnyBuffer o_parts, AnyBuffer lse_parts,
