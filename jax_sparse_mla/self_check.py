@@ -1,7 +1,7 @@
 """The self-check of the gfx950 kernels: each compiled configuration against its emulation.
 
 ``PLAN`` maps every kernel configuration the ops can launch (``configs.user_symbols()``: 32
-sparse_mla, 3 mla_decode partials and the combine, 15 UltraQuant decode and the reduce) to its
+sparse_mla, 4 mla_decode partials and the combine, 15 UltraQuant decode and the reduce) to its
 cases: small deterministic inputs run with the kernel (``implementation="flydsl"``) and with
 ``"gfx950_emulation"``, every output within the kernel-vs-emulation bound of the emulation
 module's docstring (``emulation/bounds.py``). The cases are chosen so that every code path of
@@ -18,8 +18,15 @@ the configuration runs:
   request, one whose scores rise along its keys and one whose scores fall (1000 and 900 keys,
   2 splits: 4 blocks of 128 keys per split, so the second LDS slot, its prefetch and the
   rescale by an earlier maximum run), a short one; causal rows for qlen > 1; masked indices; a
-  negative sm_scale at qlen 2. The combine: partials with -inf lse over NaN / inf garbage, a
-  row with no live partial, a single split, and partials whose lse overflowed (+inf).
+  negative sm_scale at qlen 2.
+* The 128-row partials (qlen 1): the same requests (masked indices included) at H = 128 (3
+  splits, a negative sm_scale) and H = 256 (two head groups, 2 splits); every split of the long
+  requests runs 3 or more 64-key blocks, so the running max moves between its blocks. Its
+  pairing of P's hi and lo by ``v_permlane32_swap`` (a direction no MI355 probe checks) would,
+  the other way round, meet other keys' V or the other scale: o far outside the bound
+  (``tests/test_mla_decode_m128.py``), so these cases catch it.
+* The combine: partials with -inf lse over NaN / inf garbage, a row with no live partial, a
+  single split, and partials whose lse overflowed (+inf).
 * UltraQuant (each G and block size): 3 partitions over requests of 0, 507 and 391
   tokens, a block-table entry -1 and one past the last block. The reduce: random partials,
   some with no keys.
@@ -30,7 +37,7 @@ per line (``start`` / ``done`` per case, ``finished`` per configuration).
 ``JAX_SPARSE_MLA_SELFCHECK_FAULT=KIND:SYMBOL`` (tests only) makes the child fail on that
 configuration's first case: ``abort`` (SIGABRT), ``hang`` or ``oom`` (an out-of-memory error).
 
-Cost (52 configurations, 54 cases): every case is a few MB of inputs and at most 2100 keys, so
+Cost (53 configurations, 56 cases): every case is a few MB of inputs and at most 2100 keys, so
 an MI355 spends its time compiling the two programs per case, estimated at one or two seconds
 a case (not measured on an MI355); a call verifies only the one to three configurations it
 launches. ``jax_sparse_mla.selfcheck()`` verifies them all and prints each case as it ends.
@@ -158,10 +165,13 @@ DECODE_TOKENS = 1024
 DECODE_SEQ_LENS = (0, 1000, 900, 37)  # empty, rising scores, falling scores, short
 DECODE_SPLITS = 2
 DECODE_HEADS = 20
+# The 128-row kernel's cases (heads, splits, sm_scale sign): one and two groups of 128 heads.
+M128_CASES = ((128, 3, -1), (256, 2, 1))
 
 
-def decode_inputs(seed: int, qlen: int):
-    """(q, kv codes, kv_indices, kv_indptr): token t's K is ``ramp_t * base + noise`` with
+def decode_inputs(seed: int, qlen: int, heads: int = DECODE_HEADS):
+    """(q ``[4 qlen, heads, 576]``, kv codes, kv_indices, kv_indptr): requests of
+    ``DECODE_SEQ_LENS`` keys; token t's K is ``ramp_t * base + noise`` with
     ramp -1 -> 1 and q near ``base``, so scores run from about -12 to 12 along the tokens;
     request 1 reads tokens ascending (rising maximum), request 2 descending (falling); 5% of
     the indices -1 and 3% past the last token."""
@@ -180,19 +190,19 @@ def decode_inputs(seed: int, qlen: int):
     )
     idx[r.random(len(idx)) < 0.05] = -1
     idx[r.random(len(idx)) < 0.03] = tokens + 7
-    q = base + 0.5 * r.standard_normal((len(n) * qlen, DECODE_HEADS, KV_DIM))
+    q = base + 0.5 * r.standard_normal((len(n) * qlen, heads, KV_DIM))
     indptr = jnp.asarray(np.cumsum([0, *n]), jnp.int32)
     return jnp.asarray(q, jnp.bfloat16), kv, jnp.asarray(idx, jnp.int32), indptr
 
 
-def _partials(seed: int, qlen: int, sm_scale: float):
-    q, kv, idx, indptr = decode_inputs(seed, qlen)
+def _partials(
+    seed: int, qlen: int, sm_scale: float, heads: int = DECODE_HEADS, splits: int = DECODE_SPLITS
+):
+    q, kv, idx, indptr = decode_inputs(seed, qlen, heads)
     static = dict(qlen=qlen, k_scale=0.5, v_scale=2.0, sm_scale=sm_scale)
 
     def run(implementation):
-        fn = _jit(
-            mla_decode_partials, **static, num_splits=DECODE_SPLITS, implementation=implementation
-        )
+        fn = _jit(mla_decode_partials, **static, num_splits=splits, implementation=implementation)
         return fn(q, kv, idx, indptr)
 
     def compare(outputs):
@@ -359,6 +369,13 @@ def _plan() -> dict[str, tuple[Case, ...]]:
         "4 partials, +inf (overflowed) and -inf ones",
         P(_combine, 8, 5, 4, 8, overflow=True),
     )
+    for heads, splits, sign in M128_CASES:
+        add(
+            configs.mla_decode_partials_launch(1, heads),
+            f"qlen 1, H{heads}, {splits} splits of 3+ 64-key blocks, rising and falling "
+            f"scores, an empty request, sm_scale {sign:+d}/24",
+            P(_partials, 250 + heads, 1, sign * KV_DIM**-0.5, heads, splits),
+        )
     for g in configs.ULTRAQUANT_GROUP_SIZES:
         for bs in configs.ULTRAQUANT_BLOCK_SIZES:
             symbol, _ = configs.ultraquant_launches(g, bs)

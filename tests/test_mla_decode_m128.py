@@ -52,6 +52,72 @@ def _permlane32_swap(first, second):
     )
 
 
+def _other_halves(first, second):
+    """The other reading of the swap: rows 0 and 1 of ``first`` with rows 2 and 3 of ``second``."""
+    return (
+        np.concatenate([second[32:], first[32:]]),
+        np.concatenate([second[:32], first[:32]]),
+    )
+
+
+def _other_order(first, second):
+    """The other reading of the results: the two returned in the other order."""
+    return _permlane32_swap(first, second)[::-1]
+
+
+LANES = np.arange(64)
+T, G = LANES & 15, LANES >> 4  # lane (row / key t, lane group g)
+BYTE = np.arange(16)
+
+
+def _slot(K, codes):
+    """The K slot after every wave's DMA of the block's ``codes`` [64 keys, 576]."""
+    lds = np.zeros(K.SLOT_BYTES, np.uint8)
+    for w in range(K.WAVES):
+        for i in range(K.DMA_INSTR):
+            key, off, copies = K._dma_source(w, LANES, i)
+            dst = w * K.DMA_BYTES + 1024 * i + 16 * LANES[copies]
+            lds[dst[:, None] + BYTE] = codes[key[copies, None], off[copies, None] + BYTE]
+    return lds
+
+
+def _pv(K, lds, p_hi, p_lo, swap=_permlane32_swap):
+    """O [16 rows, 512] of one block as the kernel's PV computes it: P's e4m3 hi / lo codes
+    [16 rows, 64 keys] paired by ``swap``, V^T by the tr8 reads of the slot."""
+    from tests.test_emulation_mla_decode import _mfma, _tr8
+
+    first, second = [], []
+    for kt in range(K.KEY_TILES):
+        keys = 16 * kt + 4 * G[:, None] + np.arange(4)
+        x, y = swap(p_hi[T[:, None], keys], p_lo[T[:, None], keys])
+        first.append(x)
+        second.append(y)
+    b = np.concatenate(first + second, 1)  # [64 lanes, 32 bytes]
+    p_scale = np.where(G % 2 == 0, 127, 122)
+    v_base = K._v_bases(T, G & 1)
+    o = np.zeros((16, 512))
+    for jt in range(K.LAT_TILES):
+        a = np.concatenate([_tr8(lds, v_base[jt % 2] + K._v_const(jt, q)) for q in range(4)], 1)
+        lat = 16 * jt + 4 * G[:, None] + np.arange(4)
+        o[T[:, None], lat] = _mfma(a, b, np.full(64, 127), p_scale)
+    return o
+
+
+def _block(K, seed):
+    """A block's K codes (no NaN) and P [16 rows, 64 keys] in [0, 256) with its hi / lo."""
+    from tests import cases as C
+    from tests import oracle as O
+
+    r = C.rng(seed)
+    codes = r.integers(0, 256, (K.BLOCK, 576)).astype(np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x3C
+    p = r.uniform(0, 256, (16, K.BLOCK))
+    p_hi = O.e4m3_encode(p)
+    p_lo = O.e4m3_encode((p - O.e4m3_decode(p_hi)) * 32)
+    want_o = (O.e4m3_decode(p_hi) + O.e4m3_decode(p_lo) / 32) @ O.e4m3_decode(codes[:, :512])
+    return r, codes, p_hi, p_lo, want_o
+
+
 def test_kernel_layout():
     """One 64-key block through the kernel's lane mappings (each wave's DMA into the swizzled
     slot, the QK A operands with q's hi / lo as B, P's hi / lo paired by v_permlane32_swap,
@@ -61,23 +127,13 @@ def test_kernel_layout():
     K = pytest.importorskip("jax_sparse_mla.kernels.gfx950.mla_decode_m128")
     from tests import cases as C
     from tests import oracle as O
-    from tests.test_emulation_mla_decode import E, _mfma, _tr8
+    from tests.test_emulation_mla_decode import E, _mfma
 
-    lanes = np.arange(64)
-    t, g = lanes & 15, lanes >> 4
-    r = C.rng(12)
-    codes = r.integers(0, 256, (K.BLOCK, 576)).astype(np.uint8)
-    codes[(codes & 0x7F) == 0x7F] = 0x3C  # no NaN
-    lds = np.zeros(K.SLOT_BYTES, np.uint8)
-    byte = np.arange(16)
-    for w in range(K.WAVES):
-        for i in range(K.DMA_INSTR):
-            key, off, copies = K._dma_source(w, lanes, i)
-            dst = w * K.DMA_BYTES + 1024 * i + 16 * lanes[copies]
-            lds[dst[:, None] + byte] = codes[key[copies, None], off[copies, None] + byte]
+    r, codes, p_hi, p_lo, want_o = _block(K, 12)
+    lds = _slot(K, codes)
     key, chunk = np.meshgrid(np.arange(K.BLOCK), np.arange(36), indexing="ij")
     at = 576 * key + 16 * K._swizzle(key, chunk)
-    np.testing.assert_array_equal(lds[at[..., None] + byte], codes.reshape(K.BLOCK, 36, 16))
+    np.testing.assert_array_equal(lds[at[..., None] + BYTE], codes.reshape(K.BLOCK, 36, 16))
 
     q = C.bf16_normal(r, (16, 576)) * C.to_bf16(2.0 ** r.integers(-3, 4, (16, 1)))
     x_hat, scale = (np.asarray(v, np.float64) for v in E.q_split(q))
@@ -85,35 +141,30 @@ def test_kernel_layout():
     hi = O.e4m3_encode(x)
     lo = O.e4m3_encode((x - O.e4m3_decode(hi)) * 32)
     s_byte = np.log2(scale).astype(int) + 127
-    k_scale_b = np.where(g % 2 == 0, s_byte[t], s_byte[t] - 5)
+    k_scale_b = np.where(G % 2 == 0, s_byte[T], s_byte[T] - 5)
     want_s = O.e4m3_decode(codes) @ (x_hat * scale[:, None]).T  # [key, row]
-    k_rd = K._k_offsets(t, g & 1)
+    k_rd = K._k_offsets(T, G & 1)
     for kt in range(K.KEY_TILES):
         acc = 0
         for s in range(9):
             base = kt * 16 * 576 + 64 * s
-            a = np.concatenate([lds[base + k_rd[h][:, None] + byte] for h in range(2)], 1)
-            dims = 64 * s + 32 * (g[:, None] & 1) + np.arange(32)
-            b = np.where(g[:, None] < 2, hi[t[:, None], dims], lo[t[:, None], dims])
+            a = np.concatenate([lds[base + k_rd[h][:, None] + BYTE] for h in range(2)], 1)
+            dims = 64 * s + 32 * (G[:, None] & 1) + np.arange(32)
+            b = np.where(G[:, None] < 2, hi[T[:, None], dims], lo[T[:, None], dims])
             acc = acc + _mfma(a, b, np.full(64, 127), k_scale_b)
-        keys = 16 * kt + 4 * g[:, None] + np.arange(4)
-        np.testing.assert_allclose(acc, want_s[keys, t[:, None]], rtol=1e-12, atol=1e-300)
+        keys = 16 * kt + 4 * G[:, None] + np.arange(4)
+        np.testing.assert_allclose(acc, want_s[keys, T[:, None]], rtol=1e-12, atol=1e-300)
 
-    p = r.uniform(0, 256, (16, K.BLOCK))
-    p_hi = O.e4m3_encode(p)
-    p_lo = O.e4m3_encode((p - O.e4m3_decode(p_hi)) * 32)
-    first, second = [], []
-    for kt in range(K.KEY_TILES):
-        keys = 16 * kt + 4 * g[:, None] + np.arange(4)
-        x, y = _permlane32_swap(p_hi[t[:, None], keys], p_lo[t[:, None], keys])
-        first.append(x)
-        second.append(y)
-    b = np.concatenate(first + second, 1)  # [64 lanes, 32 bytes]
-    p_scale = np.where(g % 2 == 0, 127, 122)
-    want_o = (O.e4m3_decode(p_hi) + O.e4m3_decode(p_lo) / 32) @ O.e4m3_decode(codes[:, :512])
-    v_base = K._v_bases(t, g & 1)
-    for jt in range(K.LAT_TILES):
-        a = np.concatenate([_tr8(lds, v_base[jt % 2] + K._v_const(jt, q)) for q in range(4)], 1)
-        acc = _mfma(a, b, np.full(64, 127), p_scale)
-        lat = 16 * jt + 4 * g[:, None] + np.arange(4)
-        np.testing.assert_allclose(acc, want_o[t[:, None], lat], rtol=1e-12, atol=1e-300)
+    np.testing.assert_allclose(_pv(K, lds, p_hi, p_lo), want_o, rtol=1e-12, atol=1e-300)
+
+
+@pytest.mark.parametrize("swap", [_other_halves, _other_order])
+def test_the_other_swap_readings_are_far_off(swap):
+    """Had ``v_permlane32_swap`` the other direction (no MI355 probe checks it), P's hi / lo
+    would meet other keys' V or the other scale: O far outside the self-check's bound (2^-7
+    of |o| and more), which its 128-row cases would report."""
+    pytest.importorskip("flydsl", reason="the kernel module (its address helpers) needs flydsl")
+    K = pytest.importorskip("jax_sparse_mla.kernels.gfx950.mla_decode_m128")
+    _, codes, p_hi, p_lo, want_o = _block(K, 13)
+    wrong = _pv(K, _slot(K, codes), p_hi, p_lo, swap)
+    assert np.median(np.abs(wrong - want_o) / np.abs(want_o)) > 2**-3

@@ -39,6 +39,7 @@ SAMPLE = (
     "jsm_mla_decode_partials_q1",
     "jsm_mla_decode_partials_q2",
     "jsm_mla_decode_partials_q4",
+    "jsm_mla_decode_partials_m128",
     "jsm_mla_decode_combine",
     "jsm_ultraquant_decode_g6_bs64",
     "jsm_ultraquant_reduce",
@@ -92,7 +93,7 @@ def stand_in(monkeypatch, symbol, perturb=None):
 
 def test_plan_has_cases_for_every_configuration_the_ops_launch():
     assert tuple(self_check.PLAN) == configs.user_symbols()
-    assert len(self_check.PLAN) == 52
+    assert len(self_check.PLAN) == 53
     for symbol, cases in self_check.PLAN.items():
         assert cases and all(c.symbol == symbol for c in cases)
 

@@ -1,8 +1,9 @@
 """The self-check's plan (``self_check.PLAN``) run through the recording HIP: every kernel code
 object the library holds (the diagnostic probes aside) must be launched by the plan, each case
 must launch its own configuration, and the mla_decode cases must give every split of their long
-requests at least 3 blocks of 128 keys (the second LDS slot, its prefetch and the rescale by an
-earlier maximum run). A new configuration without cases fails here.
+requests at least 3 softmax blocks (128 keys; 64 for the 128-row kernel: the second LDS slot,
+its prefetch and the rescale by an earlier maximum run). A new configuration without cases
+fails here.
 
 The kernels do not run (the recording HIP logs their launches), so only the "flydsl" side of
 each case runs; its outputs are not compared.
@@ -118,6 +119,29 @@ def test_decode_cases_reach_three_blocks_in_every_split(plan_launches, qlen):
     assert seq[0] == 0  # an empty request
     for request in (1, 2):  # rising and falling scores
         assert min(blocks[request]) >= 3 and len(blocks[request]) == splits, blocks
+
+
+def test_m128_cases_reach_three_blocks_in_every_split(plan_launches):
+    """The 128-row kernel's cases: H = 128 and 256 (one and two head groups), qlen 1, 2 or more
+    splits, each split of the rising and falling requests 3 or more 64-key blocks (the running
+    max moves between blocks), an empty request; one of them with a negative sm_scale."""
+    cases = [c for c in plan_launches if c["symbol"] == configs.MLA_DECODE_M128]
+    heads, scales = set(), set()
+    for case in cases:
+        (launch,) = case["launches"]
+        a = launch["packed"]
+        h, splits = a["num_heads:i32"], a["num_splits:i32"]
+        heads.add(h)
+        scales.add(np.sign(np.array(a["sm_scale:f32"], np.uint32).view(np.float32)))
+        assert configs.mla_decode_softmax_block(1, h) == 64 and splits >= 2
+        _, kv, idx, indptr = self_check.decode_inputs(0, 1, h)
+        assert a["num_requests:i32"] == len(indptr) - 1 and np.diff(np.asarray(indptr))[0] == 0
+        blocks: dict[int, list[int]] = {}
+        for row, _, _, n_blocks in decode_split_keys(idx, indptr, len(kv), 1, splits, 64):
+            blocks.setdefault(row, []).append(n_blocks)
+        for request in (1, 2):
+            assert min(blocks[request]) >= 3 and len(blocks[request]) == splits, blocks
+    assert heads == {128, 256} and scales == {-1.0, 1.0}
 
 
 if __name__ == "__main__":

@@ -38,13 +38,14 @@ wave: one ``s_barrier`` per block (its K rows landed; the other slot is free). P
   ``llvm.amdgcn.permlane32.swap``: rows 2 and 3 of the first operand are swapped with rows 0
   and 1 of the second; the first result is the first operand's; no MI355 probe checks this
   direction, the other kernels swap a value with itself; on an MI355 the self-check's cases of
-  this configuration would catch the other direction: P's hi and lo of the wrong keys pair with
-  V, so o leaves the emulation's bound) leaves lane group ``g < 2``
-  with hi of keys ``16 kt + 4 g + r`` and of ``16 kt + 4 (g + 2) + r`` and group ``g >= 2`` with
-  the lo of the same keys. So operand byte ``b`` of lane group g holds key
-  ``16 kt + 4 ((g & 1) + 2 h) + r`` (``h = b // 16``, ``kt = b % 16 // 4``, ``r = b % 4``): hi
-  where g < 2 and lo where g >= 2, the QK's B convention, so the E8M0 scale per lane is
-  ``E8M0_ONE`` for even g and ``E8M0_ONE - 5`` for odd g.
+  this configuration would catch the other direction: P's hi and lo would meet other keys' V
+  or the other scale, o far outside the emulation's bound, ``tests/test_mla_decode_m128.py``)
+  leaves lane group ``g < 2`` with hi of keys ``16 kt + 4 g + r`` and of
+  ``16 kt + 4 (g + 2) + r`` and group ``g >= 2`` with the lo of the same keys. So operand
+  byte ``b`` of lane group g holds key ``16 kt + 4 ((g & 1) + 2 h) + r`` (``h = b // 16``,
+  ``kt = b % 16 // 4``, ``r = b % 4``): hi where g < 2 and lo where g >= 2, the QK's B
+  convention, so the E8M0 scale per lane is ``E8M0_ONE`` for even g and ``E8M0_ONE - 5`` for
+  odd g.
 * PV: one scaled MFMA 16x16x128 per 16-latent tile (32 tiles, all 512 latents of the wave's
   16 rows: O = 128 VGPRs): A = V^T by four ``ds_read_b64_tr_b8`` (``mla_decode.py``'s stated
   semantics), read ``r`` by source lane ``t`` fetching key
