@@ -88,21 +88,38 @@ def test_mla_decode_fills_the_cus_and_writes_partials():
 
 
 def test_mla_decode_head_groups_share_k_through_the_l2():
-    """The 8 head groups' CTAs of a (split, request) are consecutive block ids of one XCD (the
-    kernel's grid): each requests K and its indices, 8 x the minimum, the design's stated bound
-    (HBM about once, the rest from that XCD's L2)."""
-    e = model.estimate(MlaDecode(batch=4, context=8192, heads=128))
-    assert e.splits == 8  # 256 / (4 requests x 8 head groups)
-    assert e.workgroups == 8 * 8 * 4  # 8 XCDs x 8 groups x ceil(4 x 8 / 8)
+    """The 16-row kernels' G head groups (here qlen 2: 16 per (split, request)) are consecutive
+    block ids of one XCD (the kernel's grid): each requests K and its indices, G x the minimum,
+    the design's stated bound (HBM about once, the rest from that XCD's L2)."""
+    e = model.estimate(MlaDecode(batch=4, context=8192, heads=128, qlen=2))
+    assert e.splits == 4  # 256 / (4 requests x 16 head groups)
+    assert e.workgroups == 8 * 16 * 2  # 8 XCDs x 16 groups x ceil(4 x 4 / 8)
     assert e.min_record_bytes == 4 * 8192 * ROW
-    assert e.record_bytes == 8 * e.min_record_bytes
-    assert e.max_bytes_ratio == 8
+    assert e.record_bytes == 16 * e.min_record_bytes
+    assert e.max_bytes_ratio == 16
     assert e.misses() == []
-    one = model.estimate(MlaDecode(batch=64, context=8192, heads=128))
-    assert (one.splits, one.workgroups) == (1, 512)
-    assert one.other_bytes == 8 * 64 * 8192 * 4 + 64 * 128 * (576 * 2 + PARTIAL)  # no combine
+    one = model.estimate(MlaDecode(batch=64, context=8192, heads=128, qlen=2))
+    assert (one.splits, one.workgroups) == (1, 8 * 16 * 8)
+    q_out = 64 * 2 * 128 * (576 * 2 + PARTIAL)
+    assert one.other_bytes == 16 * 64 * 8192 * 4 + q_out  # no combine
+
+
+def test_mla_decode_128_heads_request_k_once():
+    """qlen 1 at H = 128: one 128-row CTA per (split, request) requests K and its indices
+    once (bound 1.1, not 8); the splits fill the CUs with those CTAs (64 = 256 CUs / 4
+    requests, one per 128-key block), whose partials are written and read back."""
+    e = model.estimate(MlaDecode(batch=4, context=8192, heads=128))
+    assert e.splits == 64
+    assert e.workgroups == 8 * 1 * 32  # 8 XCDs x 1 group x ceil(4 x 64 / 8)
+    assert e.record_bytes == e.min_record_bytes == 4 * 8192 * ROW
+    assert e.max_bytes_ratio == 1.1 and e.misses() == []
+    q_out = 4 * 128 * (576 * 2 + PARTIAL)
+    assert e.other_bytes == 4 * 8192 * 4 + q_out + 2 * 4 * 64 * 128 * PARTIAL
     row = next(line for line in model.shape_lines([MlaDecode(4, 8192, 128)]) if "B=4" in line)
-    assert row.endswith("| 8.00 | 8 | 161.58 | 20.20 | 2.52 | meets both |")
+    assert row.endswith("| 18.87 | 18.87 | 1.00 | 1.1 | 87.49 | 10.94 | 2.52 | meets both |")
+    two = model.estimate(MlaDecode(batch=4, context=8192, heads=256))  # two 128-head groups
+    assert (two.splits, two.workgroups) == (32, 8 * 2 * 16)  # 256 / (4 x 2)
+    assert two.record_bytes == 2 * two.min_record_bytes and two.max_bytes_ratio == 2
 
 
 DENSE_AND_ULTRAQUANT = [s for s in model.DECODE_SHAPES if isinstance(s, (MlaDecode, UltraQuant))]
@@ -111,10 +128,14 @@ DENSE_AND_ULTRAQUANT = [s for s in model.DECODE_SHAPES if isinstance(s, (MlaDeco
 @pytest.mark.parametrize("shape", DENSE_AND_ULTRAQUANT, ids=str)
 def test_dense_and_ultraquant_shapes_meet_the_redesign_targets(shape):
     """No shape requests more than 1.1x the minimum record bytes (or, for mla_decode's
-    co-scheduled head groups, the design's bound: one request per head group), and none
+    co-scheduled head groups, the design's bound: one request per head group of 16 rows, or of
+    128 heads for the 128-row kernel), and none
     launches fewer workgroups than CUs while its keys could fill them at 64 keys a split."""
     e = model.estimate(shape)
-    groups = -(-shape.heads // 16) if isinstance(shape, MlaDecode) else 1
+    groups = 1
+    if isinstance(shape, MlaDecode):  # 128 heads per CTA at qlen 1, H % 128 == 0; else 16 rows
+        m128 = shape.qlen == 1 and shape.heads % 128 == 0
+        groups = shape.heads // 128 if m128 else -(-shape.heads * shape.qlen // 16)
     assert e.record_bytes <= max(1.1, groups) * e.min_record_bytes
     keys = shape.batch * shape.context
     kv_heads = shape.kv_heads if isinstance(shape, UltraQuant) else 1

@@ -170,8 +170,9 @@ def merge_configurations(o_parts, lse_parts):
 
 
 def default_num_splits(q, kv_indices, kv_indptr, qlen: int) -> int:
-    """Splits that fill the GPU's CUs (``device_cus``): one CTA per (16 query rows, split,
-    request), at most one split per 128 keys of the mean request (``mla_decode_splits``)."""
+    """Splits that fill the GPU's CUs (``device_cus``): one CTA per (head group, split,
+    request), a head group 16 query rows or, for the 128-row kernel, 128 heads; at most one
+    split per 128 keys of the mean request (``mla_decode_splits``)."""
     batch = kv_indptr.shape[0] - 1
     return mla_decode_splits(batch, q.shape[1], qlen, kv_indices.shape[0], device_cus())
 

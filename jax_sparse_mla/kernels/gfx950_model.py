@@ -52,7 +52,6 @@ MAX_BYTES_RATIO = 1.1
 SPLIT_KEYS = 64  # keys of a work unit, the fill target's piece (every op)
 
 
-DECODE_ROWS = configs.MLA_DECODE_ROWS  # query rows (head x position) per mla_decode CTA: 16
 DECODE_BLOCK = configs.MLA_DECODE_BLOCK  # keys per mla_decode block: splits are whole blocks
 UQ_TILE = configs.ULTRAQUANT_TILE  # tokens per UltraQuant tile: one block-table read each
 UQ_TILE_GROUP = configs.ULTRAQUANT_TILE_GROUP  # tokens per partition work item (128)
@@ -67,9 +66,11 @@ BF16, F32, I32 = 2, 4, 4
 
 
 def mla_decode_splits(batch: int, heads: int, qlen: int, n_indices: int, cus: int) -> int:
-    """Splits that fill ``cus`` CUs with one CTA per (16 query rows, split, request), at most
-    one split per 128-key block of the mean request."""
-    groups = math.ceil(heads * qlen / DECODE_ROWS)
+    """Splits that fill ``cus`` CUs with one CTA per (head group, split, request): 16 query
+    rows, or 128 heads where the 128-row kernel serves the call
+    (``configs.mla_decode_head_groups``); at most one split per 128-key block of the mean
+    request."""
+    groups = configs.mla_decode_head_groups(qlen, heads)
     blocks = math.ceil(n_indices / max(batch, 1) / DECODE_BLOCK)
     return max(1, min(math.ceil(cus / max(batch * groups, 1)), blocks))
 
@@ -218,13 +219,14 @@ def _sparse_mla(s: SparseMla, cus: int) -> Estimate:
 
 
 def _mla_decode(s: MlaDecode, cus: int) -> Estimate:
-    # One CTA per (16 query rows, split, request); each requests the 576-byte rows of its
-    # split's keys and their indices. The G CTAs of a (split, request) are consecutive block
-    # ids of one XCD (grid 8 G ceil(B S / 8), ids 8 k + x on XCD x) and run together: each row
-    # and index is requested G times (the stated bound), from HBM about once. Partials
-    # [B qlen, S, H] (512 bf16 + an f32 LSE) are written and read back by the combine, unless
-    # one split writes the output itself.
-    groups = math.ceil(s.heads * s.qlen / DECODE_ROWS)
+    # One CTA per (head group, split, request): 16 query rows, or 128 heads at qlen 1 with H a
+    # multiple of 128 (the 128-row kernel); each requests the 576-byte rows of its split's
+    # keys and their indices. The G CTAs of a (split, request) are consecutive block ids of one
+    # XCD (grid 8 G ceil(B S / 8), ids 8 k + x on XCD x) and run together: each row and index
+    # is requested G times (the stated bound; 1x, so 1.1, for the 128-row kernel at H = 128),
+    # from HBM about once. Partials [B qlen, S, H] (512 bf16 + an f32 LSE) are written and
+    # read back by the combine, unless one split writes the output itself.
+    groups = configs.mla_decode_head_groups(s.qlen, s.heads)
     splits = mla_decode_splits(s.batch, s.heads, s.qlen, s.batch * s.context, cus)
     keys = s.batch * s.context
     rows = s.batch * s.qlen * s.heads
@@ -242,7 +244,7 @@ def _mla_decode(s: MlaDecode, cus: int) -> Estimate:
         other_bytes=groups * keys * I32 + q_out + partials,
         min_other_bytes=keys * I32 + q_out,
         cus=cus,
-        max_bytes_ratio=float(groups),
+        max_bytes_ratio=max(float(groups), MAX_BYTES_RATIO),
     )
 
 

@@ -106,6 +106,14 @@ def mla_decode_partials_launch(qlen: int, heads: int) -> str:
     return f"jsm_mla_decode_partials_q{qlen}"
 
 
+def mla_decode_head_groups(qlen: int, heads: int) -> int:
+    """CTAs per (request, split) of the partials configuration that serves the call: H / 128
+    for the 128-row kernel, else ``ceil(H qlen / 16)`` (the grids' G)."""
+    if mla_decode_uses_m128(qlen, heads):
+        return heads // MLA_DECODE_M128_ROWS
+    return -(-heads * qlen // MLA_DECODE_ROWS)
+
+
 def mla_decode_softmax_block(qlen: int, heads: int) -> int:
     """Keys per online-softmax block of the partials configuration that serves the call."""
     return MLA_DECODE_M128_BLOCK if mla_decode_uses_m128(qlen, heads) else MLA_DECODE_BLOCK
