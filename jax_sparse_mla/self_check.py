@@ -62,7 +62,7 @@ from jax_sparse_mla import _platform, _verdicts
 from jax_sparse_mla.emulation import bounds as B
 from jax_sparse_mla.emulation.sparse_mla import sparse_mla_partials_gfx950_emulation
 from jax_sparse_mla.emulation.ultraquant import ultraquant_reduce_gfx950_emulation
-from jax_sparse_mla.ffi.calls import default_sparse_splits, ultraquant_reduce_flydsl
+from jax_sparse_mla.ffi.calls import default_sparse_splits, device_cus, ultraquant_reduce_flydsl
 from jax_sparse_mla.formats import KV_DIM, UQ_HEAD_DIM, pack_fp8_ds_mla, ultraquant_store
 from jax_sparse_mla.kernels.gfx950 import configs
 from jax_sparse_mla.mla_decode import merge_attn_states, mla_decode_partials
@@ -174,7 +174,9 @@ def decode_inputs(seed: int, qlen: int, heads: int = DECODE_HEADS):
     ``DECODE_SEQ_LENS`` keys; token t's K is ``ramp_t * base + noise`` with
     ramp -1 -> 1 and q near ``base``, so scores run from about -12 to 12 along the tokens;
     request 1 reads tokens ascending (rising maximum), request 2 descending (falling); 5% of
-    the indices -1 and 3% past the last token."""
+    the indices -1 and 3% past the last token. Where the 128-row kernel can serve the shape,
+    kv_indices is padded with -1 (past the last request: never read) to the length at which
+    ``configs.mla_decode_rows`` picks it on this device's CUs."""
     r, tokens = np.random.default_rng(seed), DECODE_TOKENS
     base = r.standard_normal(KV_DIM)
     ramp = np.linspace(-1.0, 1.0, tokens)[:, None]
@@ -190,6 +192,9 @@ def decode_inputs(seed: int, qlen: int, heads: int = DECODE_HEADS):
     )
     idx[r.random(len(idx)) < 0.05] = -1
     idx[r.random(len(idx)) < 0.03] = tokens + 7
+    if configs.mla_decode_m128_serves(qlen, heads):
+        length = configs.MLA_DECODE_M128_MIN_SPLIT_KEYS * device_cus()
+        idx = np.concatenate([idx, np.full(length - len(idx), -1)])
     q = base + 0.5 * r.standard_normal((len(n) * qlen, heads, KV_DIM))
     indptr = jnp.asarray(np.cumsum([0, *n]), jnp.int32)
     return jnp.asarray(q, jnp.bfloat16), kv, jnp.asarray(idx, jnp.int32), indptr
@@ -357,7 +362,7 @@ def _plan() -> dict[str, tuple[Case, ...]]:
     for qlen in configs.MLA_DECODE_QLENS:
         sign = -1 if qlen == 2 else 1  # the scale's sign enters the kernel at run time
         add(
-            configs.mla_decode_partials_launch(qlen, 20),
+            configs.mla_decode_partials_launch(qlen, configs.MLA_DECODE_ROWS),
             f"qlen {qlen}, H20, 2 splits of 4 blocks, rising and falling scores, an empty "
             f"request, sm_scale {sign:+d}/24",
             P(_partials, 200 + qlen, qlen, sign * KV_DIM**-0.5),
@@ -371,7 +376,7 @@ def _plan() -> dict[str, tuple[Case, ...]]:
     )
     for heads, splits, sign in M128_CASES:
         add(
-            configs.mla_decode_partials_launch(1, heads),
+            configs.MLA_DECODE_M128,
             f"qlen 1, H{heads}, {splits} splits of 3+ 64-key blocks, rising and falling "
             f"scores, an empty request, sm_scale {sign:+d}/24",
             P(_partials, 250 + heads, 1, sign * KV_DIM**-0.5, heads, splits),

@@ -186,10 +186,12 @@ def decode_case(
     n_nan=7,
     as_uint8=False,
     sm_scale=None,
+    n_indices=0,
 ) -> DecodeCase:
     """Random decode batch. Tokens are scattered over a cache with n_nan NaN tokens that no
     index references; with p_masked > 0 some indices are -1 / out of range (masked keys that still
-    occupy a position)."""
+    occupy a position); ``n_indices``: kv_indices padded with -1 to that length (past the last
+    request: never read; its length picks the gfx950 kernel)."""
     r = rng(seed)
     total = int(sum(seq_lens))
     tokens = total + n_nan
@@ -208,6 +210,7 @@ def decode_case(
         m = r.random(total) < p_masked
         bad = r.choice(np.array([-1, tokens, tokens + 5, 2**31 - 1, -(2**31)]), total)
         kv_indices = np.where(m, bad, kv_indices)
+    kv_indices = np.pad(kv_indices, (0, max(n_indices - total, 0)), constant_values=-1)
     kv_indices = kv_indices.astype(np.int32)
     kv_indptr = np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32)
     b = len(seq_lens)

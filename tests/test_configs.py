@@ -62,7 +62,7 @@ def test_handlers_header_is_generated_from_the_list():
     assert 'KernelBlockSizeText = "16, 32, 64, 128, 256"' in header
     assert "constexpr int64_t kMlaDecodeM128Rows = 128;" in header
     assert 'constexpr const char* kMlaDecodeM128 = "jsm_mla_decode_partials_m128";' in header
-    assert "return qlen == 1 && heads % kMlaDecodeM128Rows == 0;" in header
+    assert "return qlen == 1 && heads > 0 &&" in header
     handlers = (build_lib.CSRC / "handlers.cc").read_text()
     assert '#include "jsm_configs.h"' in handlers
     hard_coded = ("qlen != 1", "g == 6", "bs == 16", "kSparseMaxHeads =", "bits != 8", "% 128")
@@ -76,19 +76,33 @@ def test_symbols_are_unique_c_identifiers():
     assert all(s.startswith("jsm_") and s.isidentifier() for s in names)
 
 
+K8, K32 = 8192, 32768  # keys per request
+
+
 @pytest.mark.parametrize(
-    ("qlen", "heads", "symbol", "block"),
+    ("qlen", "heads", "batch", "keys", "rows"),
     [
-        (1, 128, configs.MLA_DECODE_M128, 64),
-        (1, 256, configs.MLA_DECODE_M128, 64),
-        (1, 16, "jsm_mla_decode_partials_q1", 128),
-        (1, 192, "jsm_mla_decode_partials_q1", 128),
-        (2, 128, "jsm_mla_decode_partials_q2", 128),
+        (1, 128, 64, K8, 128),  # 4 splits of 2048 keys fill 256 CUs
+        (1, 128, 128, K8, 128),
+        (1, 128, 16, K32, 128),  # 16 splits of 2048
+        (1, 256, 32, K8, 128),  # 2 groups: 4 splits of 2048
+        (1, 128, 512, 100, 128),  # one split each: no partials
+        (1, 128, 1, K8, 16),  # 64 splits would leave 192 CUs idle
+        (1, 128, 4, K32, 16),  # 64 splits of 512 keys: partials 1/2.5 of K's bytes
+        (1, 128, 32, K8, 16),  # 8 splits of 1024
+        (1, 192, 128, K8, 16),  # not whole groups of 128
+        (2, 128, 128, K8, 16),
+        (1, 0, 128, K8, 16),
     ],
 )
-def test_mla_decode_partials_launch(qlen, heads, symbol, block):
-    """qlen 1 and whole groups of 128 heads run the 128-row kernel (64-key softmax blocks);
-    every other call the 16-row kernel of its qlen."""
-    assert configs.mla_decode_partials_launch(qlen, heads) == symbol
-    assert configs.mla_decode_softmax_block(qlen, heads) == block
+def test_mla_decode_rows(qlen, heads, batch, keys, rows):
+    """The 128-row kernel where it serves the shape and fills 256 CUs with splits of at least
+    2048 keys (or one split); else the 16-row kernels. Its symbol and 64-key softmax blocks
+    follow."""
+    got = configs.mla_decode_rows(qlen, heads, batch, batch * keys, 256)
+    assert got == rows
+    symbol = configs.mla_decode_partials_launch(qlen, got)
     assert symbol in configs.user_symbols()
+    assert (symbol == configs.MLA_DECODE_M128) == (rows == 128)
+    assert configs.mla_decode_softmax_block(got) == (64 if rows == 128 else 128)
+    assert configs.mla_decode_head_groups(qlen, heads, got) == -(-heads * qlen // rows)

@@ -117,7 +117,9 @@ def split_keys(case, num_splits):
     key sets of ``bounds.decode_split_keys``; ``test_partials`` checks the reference built on
     them against the oracle's partials)."""
     codes = np.asarray(case.kv_codes, np.uint8)
-    block = configs.mla_decode_softmax_block(case.qlen, case.q.shape[1])
+    batch, n = len(case.kv_indptr) - 1, len(case.kv_indices)
+    rows = configs.mla_decode_rows(case.qlen, case.q.shape[1], batch, n, configs.MI355X_CUS)
+    block = configs.mla_decode_softmax_block(rows)
     keys = B.decode_split_keys(
         case.kv_indices, case.kv_indptr, len(codes), case.qlen, num_splits, block
     )
@@ -240,6 +242,8 @@ def test_p_split_and_exp2():
 # Partials
 # ---------------------------------------------------------------------------------------------
 
+M128_N = configs.MLA_DECODE_M128_MIN_SPLIT_KEYS * configs.MI355X_CUS  # 2 requests: 128 rows
+
 PARTIAL_CASES = {
     # name: (decode_case kwargs, num_splits, also against "xla")
     "q1_h16_s1": (dict(seed=1, seq_lens=(1, 37, 300), qlen=1, h=16), 1, False),
@@ -247,6 +251,9 @@ PARTIAL_CASES = {
                          3, True),
     "q4_h1_s16_empty": (dict(seed=3, seq_lens=(3, 130, 600), qlen=4, h=1), 16, False),
     "q1_h128_s2": (dict(seed=4, seq_lens=(130, 3), qlen=1, h=128), 2, False),
+    # kv_indices long enough for the 128-row kernel (configs.mla_decode_rows): 64-key blocks
+    "q1_h128_s2_m128": (dict(seed=4, seq_lens=(330, 3), qlen=1, h=128, n_indices=M128_N), 2,
+                        False),
     "q4_h16_s5_short": (dict(seed=5, seq_lens=(0, 1, 3, 200, 2), qlen=4, h=16, p_masked=0.3), 5,
                         False),
     "q2_h4_s7_unit_scales": (dict(seed=6, seq_lens=(127, 128, 129, 600), qlen=2, h=4,
@@ -293,16 +300,16 @@ def test_partials(name):
 
 
 def test_partials_softmax_block_follows_the_kernel(monkeypatch):
-    """qlen 1 with H a multiple of 128 runs the 128-row kernel's 64-key softmax blocks: the
-    same case emulated with 128-key blocks rounds differently (P's e4m3 split is taken
-    against another running max); both are within the bound (``test_partials``'s
-    ``q1_h128_s2`` and this case's own check)."""
-    case = C.decode_case(8, seq_lens=(250, 200), qlen=1, h=128, as_uint8=True)
-    assert configs.mla_decode_softmax_block(1, 128) == 64
+    """Where the 128-row kernel serves the call (``configs.mla_decode_rows``) the emulation
+    runs its 64-key softmax blocks: the same case emulated with 128-key blocks rounds
+    differently (P's e4m3 split is taken against another running max); both are within the
+    bound (``test_partials``'s ``q1_h128_s2_m128`` and this case's own check)."""
+    case = C.decode_case(8, seq_lens=(250, 200), qlen=1, h=128, as_uint8=True, n_indices=M128_N)
+    assert configs.mla_decode_rows(1, 128, 2, M128_N, configs.MI355X_CUS) == 128
     ref, ref_lse, tol, lse_tol = expected_partials(case, 1)
     out64, lse64 = run_partials(case, 1, fresh=True)
     check(out64, lse64, ref, ref_lse, tol, lse_tol, "64-key blocks")
-    monkeypatch.setattr(configs, "mla_decode_softmax_block", lambda qlen, heads: 128)
+    monkeypatch.setattr(configs, "mla_decode_softmax_block", lambda rows: 128)
     out128, lse128 = run_partials(case, 1, fresh=True)
     assert not (np.array_equal(out64, out128) and np.array_equal(lse64, lse128))
 

@@ -120,8 +120,8 @@ def test_mla_decode_lowers_to_partials_and_combine(implementation):
     (partials, combine) = custom_calls(fn, *decode_args())
     assert partials[0] == "jsm_mla_decode_partials"
     assert partials[1] == (
-        "k_scale = 5.000000e-01 : f32, qlen = 2 : i32, sm_scale = 2.500000e-01 : f32, "
-        "v_scale = 2.000000e+00 : f32"
+        "cta_rows = 16 : i32, k_scale = 5.000000e-01 : f32, qlen = 2 : i32, "
+        "sm_scale = 2.500000e-01 : f32, v_scale = 2.000000e+00 : f32"
     )
     assert partials[2] == [
         "tensor<4x16x576xbf16>",

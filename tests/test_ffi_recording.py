@@ -22,7 +22,12 @@ import sys
 import numpy as np
 import pytest
 
+from jax_sparse_mla.kernels.gfx950 import configs
 from tests.recording import register_for_cpu, run_recorded
+
+# kv_indices' length at which 2 or 3 requests of 128 or 256 heads get the 128-row kernel on
+# 256 CUs (configs.mla_decode_rows: the GPU filled with splits of 2048 keys)
+M128_N = configs.MLA_DECODE_M128_MIN_SPLIT_KEYS * configs.MI355X_CUS
 
 RECORDING_STREAM = 0x5157  # the stand-in stream of the recording build (handlers.cc)
 BIG_RECORDS = 6_600_000  # 4.33 GB of fp8_ds_mla records: byte offsets past 2^32
@@ -60,11 +65,13 @@ def scenarios():
         )
         return fn, args
 
-    def decode(batch, qlen, h, splits, tokens):
+    def decode(batch, qlen, h, splits, tokens, n_idx=0):
+        """Requests over kv_indices' first 2 tokens entries; ``n_idx``: its length (longer:
+        padding, never read; the length picks the 128-row kernel at H = 128)."""
         args = dict(
             q=jnp.ones((batch * qlen, h, 576), jnp.bfloat16),
             kv=jnp.zeros((tokens, 576), jnp.uint8),  # codes (e4m3fn would be bitcast: a copy)
-            kv_indices=jnp.arange(2 * tokens, dtype=jnp.int32) % tokens,
+            kv_indices=jnp.arange(max(n_idx, 2 * tokens), dtype=jnp.int32) % tokens,
             kv_indptr=jnp.asarray(np.linspace(0, 2 * tokens, batch + 1).astype(np.int32)),
         )
         fn = jax.jit(
@@ -124,8 +131,9 @@ def scenarios():
         "sparse_empty": lambda: sparse(0, 4, 10, 7, True),
         "sparse_big_cache": lambda: sparse(2, 16, BIG_RECORDS, 4, True),
         "decode_q2": lambda: decode(3, 2, 16, 4, 50),
-        "decode_q1_h128": lambda: decode(2, 1, 128, 1, 20),
-        "decode_q1_h256": lambda: decode(3, 1, 256, 3, 30),
+        "decode_q1_h128": lambda: decode(2, 1, 128, 1, 20, M128_N),
+        "decode_q1_h256": lambda: decode(3, 1, 256, 3, 30, M128_N),
+        "decode_q1_h128_short": lambda: decode(2, 1, 128, 2, 20),
         "decode_q1_h20": lambda: decode(2, 1, 20, 2, 20),
         "ultraquant_g8": lambda: ultraquant(2, 2, 8, 32, 3),
         "ultraquant_g3": lambda: ultraquant(2, 2, 3, 16, 1),
@@ -166,13 +174,19 @@ def bad_calls():
                              out(((2, 4, 512), bf)), dict(sm_scale=np.float32(1))),
         "partials_qlen": ("jsm_mla_decode_partials", partials_ok,
                           out(((4, 2, 16, 512), bf), ((4, 2, 16), f32)),
-                          dict(qlen=np.int32(3), **scales)),
+                          dict(qlen=np.int32(3), cta_rows=np.int32(16), **scales)),
         "partials_q_rows": ("jsm_mla_decode_partials", partials_ok,
                             out(((4, 2, 16, 512), bf), ((4, 2, 16), f32)),
-                            dict(qlen=np.int32(1), **scales)),
+                            dict(qlen=np.int32(1), cta_rows=np.int32(16), **scales)),
         "partials_indptr": ("jsm_mla_decode_partials", [*partials_ok[:3], z((0,), s32)],
                             out(((4, 2, 16, 512), bf), ((4, 2, 16), f32)),
-                            dict(qlen=np.int32(1), **scales)),
+                            dict(qlen=np.int32(1), cta_rows=np.int32(16), **scales)),
+        "partials_cta_rows": ("jsm_mla_decode_partials", partials_ok,
+                              out(((4, 2, 16, 512), bf), ((4, 2, 16), f32)),
+                              dict(qlen=np.int32(2), cta_rows=np.int32(32), **scales)),
+        "partials_m128_heads": ("jsm_mla_decode_partials", partials_ok,
+                                out(((4, 2, 16, 512), bf), ((4, 2, 16), f32)),
+                                dict(qlen=np.int32(2), cta_rows=np.int32(128), **scales)),
         "combine_lse": ("jsm_mla_decode_combine", [z((3, 2, 4, 512), bf), z((3, 2, 5), f32)],
                         out(((3, 4, 512), bf), ((3, 4), f32)), {}),
         "uq_block_size": ("jsm_ultraquant_partials",
@@ -206,10 +220,10 @@ def bad_calls():
 GRID_CASES = {
     "sparse_h20_lse": ("jsm_sparse_mla", (3, 1, 1)),  # n_q, S, head groups
     "sparse_h40_splits": ("jsm_sparse_mla", (2, 8, 2)),
-    "decode_q2": ("jsm_mla_decode_partials", (3, 16, 4, 2)),  # B, H, S, qlen
-    "decode_q1_h128": ("jsm_mla_decode_partials", (2, 128, 1, 1)),
-    "decode_q1_h256": ("jsm_mla_decode_partials", (3, 256, 3, 1)),
-    "decode_q1_h20": ("jsm_mla_decode_partials", (2, 20, 2, 1)),
+    "decode_q2": ("jsm_mla_decode_partials", (3, 16, 4, 2, 16)),  # B, H, S, qlen, CTA rows
+    "decode_q1_h128": ("jsm_mla_decode_partials", (2, 128, 1, 1, 128)),
+    "decode_q1_h256": ("jsm_mla_decode_partials", (3, 256, 3, 1, 128)),
+    "decode_q1_h20": ("jsm_mla_decode_partials", (2, 20, 2, 1, 16)),
     "decode_q2_combine": ("jsm_mla_decode_combine", (6, 16)),  # n = B * qlen, H
     "ultraquant_g8": ("jsm_ultraquant_partials", (2, 2, 3)),  # B, Hk, P
     "ultraquant_g8_reduce": ("jsm_ultraquant_reduce", (2, 16)),  # B, Hq
@@ -217,10 +231,10 @@ GRID_CASES = {
     "sparse_past": ("jsm_sparse_mla", (2**24 - 7, 1, 1)),  # rounded up to 8: 2^24 workgroups
     "sparse_splits_at": ("jsm_sparse_mla", (2**18 - 1, 8, 8)),
     "sparse_splits_past": ("jsm_sparse_mla", (2**18, 8, 8)),
-    "partials_at": ("jsm_mla_decode_partials", (2**20 - 1, 16, 8, 1)),
-    "partials_past": ("jsm_mla_decode_partials", (2**20, 16, 8, 1)),
-    "partials_m128_at": ("jsm_mla_decode_partials", (2**20 - 1, 128, 8, 1)),
-    "partials_m128_past": ("jsm_mla_decode_partials", (2**20, 128, 8, 1)),
+    "partials_at": ("jsm_mla_decode_partials", (2**20 - 1, 16, 8, 1, 16)),
+    "partials_past": ("jsm_mla_decode_partials", (2**20, 16, 8, 1, 16)),
+    "partials_m128_at": ("jsm_mla_decode_partials", (2**20 - 1, 128, 8, 1, 128)),
+    "partials_m128_past": ("jsm_mla_decode_partials", (2**20, 128, 8, 1, 128)),
     "combine_at": ("jsm_mla_decode_combine", (2**24 - 1, 4)),
     "combine_past": ("jsm_mla_decode_combine", (2**24, 4)),
     "uq_at": ("jsm_ultraquant_partials", (2**26 - 1, 1, 1)),
@@ -256,7 +270,7 @@ def run_driver(library: str) -> dict:
     lib.jsm_record_grid.restype = ctypes.c_int
     grids = {}
     for name, (target, quantities) in GRID_CASES.items():
-        q = (ctypes.c_int64 * 4)(*quantities)
+        q = (ctypes.c_int64 * 5)(*quantities)
         grid = (ctypes.c_int64 * 4)()
         message = ctypes.create_string_buffer(1024)
         rc = lib.jsm_record_grid(target.encode(), q, grid, message, len(message))
@@ -416,24 +430,26 @@ def test_cache_over_4_gib(recorded):
     )
 
 
-M128 = "jsm_mla_decode_partials_m128"
+M128 = configs.MLA_DECODE_M128
 
 
 @pytest.mark.parametrize(
-    ("name", "batch", "qlen", "h", "splits", "tokens", "kernel", "groups"),
+    ("name", "batch", "qlen", "h", "splits", "tokens", "n_idx", "kernel", "groups"),
     [
-        ("decode_q2", 3, 2, 16, 4, 50, "jsm_mla_decode_partials_q2", 2),  # 16 rows per CTA
-        ("decode_q1_h128", 2, 1, 128, 1, 20, M128, 1),  # 128 heads per CTA
-        ("decode_q1_h256", 3, 1, 256, 3, 30, M128, 2),
-        ("decode_q1_h20", 2, 1, 20, 2, 20, "jsm_mla_decode_partials_q1", 2),
+        ("decode_q2", 3, 2, 16, 4, 50, 100, "jsm_mla_decode_partials_q2", 2),  # 16 rows a CTA
+        ("decode_q1_h128", 2, 1, 128, 1, 20, M128_N, M128, 1),  # 128 heads per CTA
+        ("decode_q1_h256", 3, 1, 256, 3, 30, M128_N, M128, 2),
+        ("decode_q1_h128_short", 2, 1, 128, 2, 20, 40, "jsm_mla_decode_partials_q1", 8),
+        ("decode_q1_h20", 2, 1, 20, 2, 20, 40, "jsm_mla_decode_partials_q1", 2),
     ],
 )
 def test_mla_decode_partials_then_combine(
-    recorded, name, batch, qlen, h, splits, tokens, kernel, groups
+    recorded, name, batch, qlen, h, splits, tokens, n_idx, kernel, groups
 ):
-    """The partials (the 128-row kernel at qlen 1 with H a multiple of 128, else the 16-row
-    kernel of qlen: G head groups), then the combine of their splits; one split's partial is
-    the output (no combine launched)."""
+    """The partials (the 128-row kernel where ``configs.mla_decode_rows`` picks it: qlen 1, H a
+    multiple of 128 and kv_indices long enough to fill 256 CUs with splits of 2048 keys; else
+    the 16-row kernel of qlen: G head groups), then the combine of their splits; one split's
+    partial is the output (no combine launched)."""
     r = recorded[name]
     part, *comb = launches(r["events"])
     assert len(comb) == (splits > 1)
@@ -442,7 +458,7 @@ def test_mla_decode_partials_then_combine(
     n = batch * qlen
     assert (a["Q:p"], a["Q:L1"]) == (r["pointers"]["q"], n * h * 576)
     assert (a["KV:p"], a["KV:L1"]) == (r["pointers"]["kv"], tokens * 576)
-    assert (a["IDX:p"], a["IDX:L1"]) == (r["pointers"]["kv_indices"], 2 * tokens)
+    assert (a["IDX:p"], a["IDX:L1"]) == (r["pointers"]["kv_indices"], n_idx)
     # kv_indptr is clipped to [0, len(kv_indices)] before the call: the kernel gets that copy,
     # B + 1 int32 in a buffer of its own (not the caller's nor any other argument's)
     others = {a[k] for k in ("Q:p", "KV:p", "IDX:p", "OP:p", "LP:p")} | {
@@ -467,7 +483,7 @@ def test_mla_decode_partials_then_combine(
         batch,
         h,
         splits,
-        2 * tokens,
+        n_idx,
         tokens,
         f32_bits(0.5),
         f32_bits(2.0),
@@ -575,6 +591,10 @@ EXPECTED_ERRORS = {
     "partials_q_rows": "jsm_mla_decode_partials: q must be bf16[B * qlen = 2, H, 576], "
     "got bf16[4, 16, 576]",
     "partials_indptr": "jsm_mla_decode_partials: kv_indptr must hold B + 1 >= 1 entries",
+    "partials_cta_rows": "jsm_mla_decode_partials: cta_rows (query rows per CTA) must be 16 or "
+    "128, got 32",
+    "partials_m128_heads": "jsm_mla_decode_partials: the 128-row kernel serves qlen 1 and H a "
+    "positive multiple of 128, got qlen 2, H 16",
     "combine_lse": "jsm_mla_decode_combine: lse_parts must be f32[3, 2, 4], got f32[3, 2, 5]",
     "uq_block_size": "jsm_ultraquant_partials: cache block_size must be one of 16, 32, 64, 128, "
     "256 (the compiled kernels), got 48",

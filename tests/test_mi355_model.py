@@ -11,6 +11,7 @@ import pytest
 
 from jax_sparse_mla._build import build
 from jax_sparse_mla.kernels import gfx950_model as model
+from jax_sparse_mla.kernels.gfx950 import configs
 from jax_sparse_mla.kernels.gfx950_model import MlaDecode, SparseMla, UltraQuant
 
 RECORD = 512 + 4 * 4 + 64 * 2  # fp8_ds_mla: e4m3 latent, 4 f32 scales, 64 bf16 rope
@@ -105,20 +106,24 @@ def test_mla_decode_head_groups_share_k_through_the_l2():
 
 
 def test_mla_decode_128_heads_request_k_once():
-    """qlen 1 at H = 128: one 128-row CTA per (split, request) requests K and its indices
-    once (bound 1.1, not 8); the splits fill the CUs with those CTAs (64 = 256 CUs / 4
-    requests, one per 128-key block), whose partials are written and read back."""
-    e = model.estimate(MlaDecode(batch=4, context=8192, heads=128))
-    assert e.splits == 64
-    assert e.workgroups == 8 * 1 * 32  # 8 XCDs x 1 group x ceil(4 x 64 / 8)
-    assert e.record_bytes == e.min_record_bytes == 4 * 8192 * ROW
+    """qlen 1 at H = 128 where the 128-row kernel fills the CUs with splits of 2048 keys
+    (B = 64, 8k: 4 splits): one CTA per (split, request) requests K and its indices once
+    (bound 1.1, not 8), and its partials are written and read back. At B = 4 the 16-row
+    kernels run (64 splits of 128 keys would write 3.6x K's bytes in partials): 8 groups,
+    8 splits, the stated bound 8."""
+    e = model.estimate(MlaDecode(batch=64, context=8192, heads=128))
+    assert e.splits == 4  # 256 CUs / 64 requests, 2048 keys each
+    assert e.workgroups == 8 * 1 * 32  # 8 XCDs x 1 group x ceil(64 x 4 / 8)
+    assert e.record_bytes == e.min_record_bytes == 64 * 8192 * ROW
     assert e.max_bytes_ratio == 1.1 and e.misses() == []
-    q_out = 4 * 128 * (576 * 2 + PARTIAL)
-    assert e.other_bytes == 4 * 8192 * 4 + q_out + 2 * 4 * 64 * 128 * PARTIAL
-    row = next(line for line in model.shape_lines([MlaDecode(4, 8192, 128)]) if "B=4" in line)
-    assert row.endswith("| 18.87 | 18.87 | 1.00 | 1.1 | 87.49 | 10.94 | 2.52 | meets both |")
-    two = model.estimate(MlaDecode(batch=4, context=8192, heads=256))  # two 128-head groups
-    assert (two.splits, two.workgroups) == (32, 8 * 2 * 16)  # 256 / (4 x 2)
+    q_out = 64 * 128 * (576 * 2 + PARTIAL)
+    assert e.other_bytes == 64 * 8192 * 4 + q_out + 2 * 64 * 4 * 128 * PARTIAL
+    row = next(line for line in model.shape_lines([MlaDecode(64, 8192, 128)]) if "B=64" in line)
+    assert row.endswith("| 301.99 | 301.99 | 1.00 | 1.1 | 389.32 | 48.66 | 40.24 | meets both |")
+    small = model.estimate(MlaDecode(batch=4, context=8192, heads=128))
+    assert (small.splits, small.workgroups, small.max_bytes_ratio) == (8, 8 * 8 * 4, 8)
+    two = model.estimate(MlaDecode(batch=32, context=8192, heads=256))  # two 128-head groups
+    assert (two.splits, two.workgroups) == (4, 8 * 2 * 16)  # 256 / (32 x 2)
     assert two.record_bytes == 2 * two.min_record_bytes and two.max_bytes_ratio == 2
 
 
@@ -129,15 +134,15 @@ DENSE_AND_ULTRAQUANT = [s for s in model.DECODE_SHAPES if isinstance(s, (MlaDeco
 def test_dense_and_ultraquant_shapes_meet_the_redesign_targets(shape):
     """No shape requests more than 1.1x the minimum record bytes (or, for mla_decode's
     co-scheduled head groups, the design's bound: one request per head group of 16 rows, or of
-    128 heads for the 128-row kernel), and none
+    128 heads where the 128-row kernel runs), and none
     launches fewer workgroups than CUs while its keys could fill them at 64 keys a split."""
     e = model.estimate(shape)
-    groups = 1
-    if isinstance(shape, MlaDecode):  # 128 heads per CTA at qlen 1, H % 128 == 0; else 16 rows
-        m128 = shape.qlen == 1 and shape.heads % 128 == 0
-        groups = shape.heads // 128 if m128 else -(-shape.heads * shape.qlen // 16)
-    assert e.record_bytes <= max(1.1, groups) * e.min_record_bytes
     keys = shape.batch * shape.context
+    groups = 1
+    if isinstance(shape, MlaDecode):  # query rows per CTA: 128 or 16 (configs.mla_decode_rows)
+        rows = configs.mla_decode_rows(shape.qlen, shape.heads, shape.batch, keys, e.cus)
+        groups = -(-shape.heads * shape.qlen // rows)
+    assert e.record_bytes <= max(1.1, groups) * e.min_record_bytes
     kv_heads = shape.kv_heads if isinstance(shape, UltraQuant) else 1
     if kv_heads * keys // 64 >= e.cus:
         assert e.workgroups >= e.cus

@@ -105,7 +105,7 @@ def test_sparse_cases_split_and_group(plan_launches, lse):
 
 @pytest.mark.parametrize("qlen", configs.MLA_DECODE_QLENS)
 def test_decode_cases_reach_three_blocks_in_every_split(plan_launches, qlen):
-    symbol = configs.mla_decode_partials_launch(qlen, 20)
+    symbol = configs.mla_decode_partials_launch(qlen, configs.MLA_DECODE_ROWS)
     (case,) = [c for c in plan_launches if c["symbol"] == symbol]
     (launch,) = case["launches"]
     splits = launch["packed"]["num_splits:i32"]
@@ -133,8 +133,9 @@ def test_m128_cases_reach_three_blocks_in_every_split(plan_launches):
         h, splits = a["num_heads:i32"], a["num_splits:i32"]
         heads.add(h)
         scales.add(np.sign(np.array(a["sm_scale:f32"], np.uint32).view(np.float32)))
-        assert configs.mla_decode_softmax_block(1, h) == 64 and splits >= 2
+        assert splits >= 2
         _, kv, idx, indptr = self_check.decode_inputs(0, 1, h)
+        assert configs.mla_decode_rows(1, h, len(indptr) - 1, len(idx), 256) == 128
         assert a["num_requests:i32"] == len(indptr) - 1 and np.diff(np.asarray(indptr))[0] == 0
         blocks: dict[int, list[int]] = {}
         for row, _, _, n_blocks in decode_split_keys(idx, indptr, len(kv), 1, splits, 64):

@@ -170,7 +170,9 @@ def mla_decode_partials_bound(
     kv = np.asarray(kv, np.uint8)
     tol = 2.0**-7 * np.abs(o_e)
     lse_tol = np.zeros(lse_e.shape)
-    block = configs.mla_decode_softmax_block(qlen, o_e.shape[2])
+    batch, n = len(kv_indptr) - 1, len(kv_indices)
+    rows = configs.mla_decode_rows(qlen, o_e.shape[2], batch, n, configs.MI355X_CUS)
+    block = configs.mla_decode_softmax_block(rows)
     splits = decode_split_keys(kv_indices, kv_indptr, len(kv), qlen, o_e.shape[1], block)
     for row, s, ids, blocks in splits:
         if len(ids) == 0:

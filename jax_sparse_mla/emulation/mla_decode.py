@@ -20,8 +20,9 @@ Partials (per request, split, query row; ``c = (sm_scale * k_scale) * f32(log2 e
   position is outside the split, its index position outside ``[0, len(kv_indices))``, its
   index outside ``[0, tokens)`` or it is causally hidden (``j > seq_len - qlen + i``).
 * Online softmax over blocks of ``K`` keys of the split (block ``b`` = positions
-  ``lo + K b + [0, K)``; ``K = 128``, or 64 where the 128-row kernel serves the call: qlen 1
-  and H a multiple of 128, ``configs.mla_decode_softmax_block``), scaled after the max:
+  ``lo + K b + [0, K)``; ``K = 128``, or 64 where the 128-row kernel serves the call on an
+  MI355X's 256 CUs: ``configs.mla_decode_rows``, from qlen, H, B and len(kv_indices)), scaled
+  after the max:
   ``m' = max(m, max_block t)`` (``m`` starts at -inf), ``alpha = exp2((m - m') a)`` (0 while
   ``m = -inf``),
   ``P = exp2((t - m') a + 8)`` (so ``P <= 2^8``), ``l' = l alpha + sum P`` (the f32 P),
@@ -161,7 +162,8 @@ def mla_decode_partials_gfx950_emulation(
     start, seq_len, chunk = split_bounds(kv_indptr, n, s_count)
     lo = jnp.arange(s_count, dtype=jnp.int32)[None, :] * chunk[:, None]  # [B, S]
     hi = jnp.minimum(lo + chunk[:, None], seq_len[:, None])
-    block = configs.mla_decode_softmax_block(qlen, h)  # keys per online-softmax block
+    rows_per_cta = configs.mla_decode_rows(qlen, h, b, n, configs.MI355X_CUS)
+    block = configs.mla_decode_softmax_block(rows_per_cta)  # keys per online-softmax block
     num_blocks = (jnp.max(jnp.maximum(hi - lo, 0)) + block - 1) // block
     # Causal bound of row m = (i, head): position i = m // h sees j <= seq_len - qlen + i.
     pos_i = jnp.arange(m_rows, dtype=jnp.int32) // h

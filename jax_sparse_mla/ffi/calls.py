@@ -154,12 +154,21 @@ def mla_decode_unsupported(q, kv, kv_indices, kv_indptr, *, qlen, k_scale, v_sca
     return _nonstatic([("k_scale", k_scale), ("v_scale", v_scale), ("sm_scale", sm_scale)])
 
 
+def partials_rows(q, kv_indices, kv_indptr, qlen: int) -> int:
+    """Query rows per partials CTA (``configs.mla_decode_rows`` on this device's CUs)."""
+    batch = kv_indptr.shape[0] - 1
+    return configs.mla_decode_rows(qlen, q.shape[1], batch, kv_indices.shape[0], device_cus())
+
+
 def mla_decode_partials_configurations(q, kv, kv_indices, kv_indptr, *, qlen, **_):
-    return (configs.mla_decode_partials_launch(qlen, q.shape[1]),)
+    return (
+        configs.mla_decode_partials_launch(qlen, partials_rows(q, kv_indices, kv_indptr, qlen)),
+    )
 
 
 def mla_decode_configurations(q, kv, kv_indices, kv_indptr, *, qlen, num_splits=None, **_):
-    partials = configs.mla_decode_partials_launch(qlen, q.shape[1])
+    rows = partials_rows(q, kv_indices, kv_indptr, qlen)
+    partials = configs.mla_decode_partials_launch(qlen, rows)
     if (num_splits or default_num_splits(q, kv_indices, kv_indptr, qlen)) == 1:
         return (partials,)  # one split writes the output itself
     return (partials, configs.MLA_DECODE_COMBINE)
@@ -171,8 +180,8 @@ def merge_configurations(o_parts, lse_parts):
 
 def default_num_splits(q, kv_indices, kv_indptr, qlen: int) -> int:
     """Splits that fill the GPU's CUs (``device_cus``): one CTA per (head group, split,
-    request), a head group 16 query rows or, for the 128-row kernel, 128 heads; at most one
-    split per 128 keys of the mean request (``mla_decode_splits``)."""
+    request), a head group 16 query rows or, for the 128-row kernel (``partials_rows``), 128
+    heads; at most one split per 128 keys of the mean request (``mla_decode_splits``)."""
     batch = kv_indptr.shape[0] - 1
     return mla_decode_splits(batch, q.shape[1], qlen, kv_indices.shape[0], device_cus())
 
@@ -211,6 +220,7 @@ def mla_decode_partials_flydsl(
             kv_indices,
             jnp.clip(kv_indptr, 0, kv_indices.shape[0]),
             qlen=np.int32(qlen),
+            cta_rows=np.int32(partials_rows(q, kv_indices, kv_indptr, qlen)),
             **{name: np.float32(_static(value)) for name, value in scales.items()},
         )
     )

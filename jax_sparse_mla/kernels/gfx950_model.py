@@ -44,7 +44,7 @@ from jax_sparse_mla.formats import (
 from jax_sparse_mla.kernels.gfx950 import configs
 
 # AMD Instinct MI355X (AMD's product page): 256 CUs in 8 XCDs, 8 TB/s of HBM3E.
-MI355X_CUS = 256
+MI355X_CUS = configs.MI355X_CUS
 MI355X_HBM_BYTES_PER_S = 8.0e12
 MI355X_XCDS = 8  # mla_decode's grid rounds its work items up to a multiple of the XCDs
 
@@ -67,10 +67,10 @@ BF16, F32, I32 = 2, 4, 4
 
 def mla_decode_splits(batch: int, heads: int, qlen: int, n_indices: int, cus: int) -> int:
     """Splits that fill ``cus`` CUs with one CTA per (head group, split, request): 16 query
-    rows, or 128 heads where the 128-row kernel serves the call
-    (``configs.mla_decode_head_groups``); at most one split per 128-key block of the mean
-    request."""
-    groups = configs.mla_decode_head_groups(qlen, heads)
+    rows, or 128 heads where the 128-row kernel serves the call (``configs.mla_decode_rows``);
+    at most one split per 128-key block of the mean request."""
+    rows = configs.mla_decode_rows(qlen, heads, batch, n_indices, cus)
+    groups = configs.mla_decode_head_groups(qlen, heads, rows)
     blocks = math.ceil(n_indices / max(batch, 1) / DECODE_BLOCK)
     return max(1, min(math.ceil(cus / max(batch * groups, 1)), blocks))
 
@@ -219,14 +219,15 @@ def _sparse_mla(s: SparseMla, cus: int) -> Estimate:
 
 
 def _mla_decode(s: MlaDecode, cus: int) -> Estimate:
-    # One CTA per (head group, split, request): 16 query rows, or 128 heads at qlen 1 with H a
-    # multiple of 128 (the 128-row kernel); each requests the 576-byte rows of its split's
-    # keys and their indices. The G CTAs of a (split, request) are consecutive block ids of one
-    # XCD (grid 8 G ceil(B S / 8), ids 8 k + x on XCD x) and run together: each row and index
-    # is requested G times (the stated bound; 1x, so 1.1, for the 128-row kernel at H = 128),
-    # from HBM about once. Partials [B qlen, S, H] (512 bf16 + an f32 LSE) are written and
+    # One CTA per (head group, split, request): 16 query rows, or 128 heads where
+    # configs.mla_decode_rows picks the 128-row kernel; each requests the 576-byte rows of its
+    # split's keys and their indices. The G CTAs of a (split, request) are consecutive block
+    # ids of one XCD (grid 8 G ceil(B S / 8), ids 8 k + x on XCD x) and run together: each row
+    # and index is requested G times (the stated bound; 1x, so 1.1, for the 128-row kernel at
+    # H = 128), from HBM about once. Partials [B qlen, S, H] (512 bf16 + an f32 LSE) are written and
     # read back by the combine, unless one split writes the output itself.
-    groups = configs.mla_decode_head_groups(s.qlen, s.heads)
+    cta_rows = configs.mla_decode_rows(s.qlen, s.heads, s.batch, s.batch * s.context, cus)
+    groups = configs.mla_decode_head_groups(s.qlen, s.heads, cta_rows)
     splits = mla_decode_splits(s.batch, s.heads, s.qlen, s.batch * s.context, cus)
     keys = s.batch * s.context
     rows = s.batch * s.qlen * s.heads

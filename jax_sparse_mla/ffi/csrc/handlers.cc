@@ -135,10 +135,11 @@ Grid SparseMlaGrid(int64_t n_q, int64_t splits, int64_t groups) {
           "8 * head groups * ceil(n_q * S / 8)"};
 }
 
-// The 128-row kernel where MlaDecodeUsesM128 (H / 128 head groups), else the 16-row ones.
-Grid MlaDecodePartialsGrid(int64_t batch, int64_t heads, int64_t splits, int64_t qlen) {
+// cta_rows = 128: the 128-row kernel (H / 128 head groups), else the 16-row ones.
+Grid MlaDecodePartialsGrid(int64_t batch, int64_t heads, int64_t splits, int64_t qlen,
+                           int64_t cta_rows) {
   const int64_t items = 8 * ((batch * splits + 7) / 8);
-  if (MlaDecodeUsesM128(qlen, heads)) {
+  if (cta_rows == kMlaDecodeM128Rows) {
     return {heads / kMlaDecodeM128Rows * items, 1, 1, kMlaDecodePartialsThreads,
             "8 * (H / 128) * ceil(B * S / 8)"};
   }
@@ -251,12 +252,18 @@ Error SparseMla(void* stream, int32_t device, AnyBuffer q, AnyBuffer kv, AnyBuff
 
 Error MlaDecodePartials(void* stream, int32_t device, AnyBuffer q, AnyBuffer kv,
                         AnyBuffer kv_indices, AnyBuffer kv_indptr, ffi::Result<AnyBuffer> o_parts,
-                        ffi::Result<AnyBuffer> lse_parts, int32_t qlen, float k_scale,
-                        float v_scale, float sm_scale) {
+                        ffi::Result<AnyBuffer> lse_parts, int32_t qlen, int32_t cta_rows,
+                        float k_scale, float v_scale, float sm_scale) {
   constexpr const char* T = "jsm_mla_decode_partials";
   if (!KernelQlen(qlen)) {
     return Error::InvalidArgument(std::string(T) + ": qlen must be one of " + KernelQlenText +
                                   " (the compiled kernels), got " + std::to_string(qlen));
+  }
+  if (cta_rows != kMlaDecodeRows && cta_rows != kMlaDecodeM128Rows) {
+    return Error::InvalidArgument(std::string(T) + ": cta_rows (query rows per CTA) must be " +
+                                  std::to_string(kMlaDecodeRows) + " or " +
+                                  std::to_string(kMlaDecodeM128Rows) + ", got " +
+                                  std::to_string(cta_rows));
   }
   JSM_CHECK(Expect(T, "kv_indptr", kv_indptr, DataType::S32, {-1}, "[B + 1]"));
   if (kv_indptr.dimensions()[0] == 0) {
@@ -277,7 +284,12 @@ Error MlaDecodePartials(void* stream, int32_t device, AnyBuffer q, AnyBuffer kv,
                    Shape({r, std::to_string(splits), std::to_string(heads)})));
   const int64_t n_indices = kv_indices.dimensions()[0];
   JSM_CHECK(Limit(T, "kv_indices length", n_indices, (int64_t{1} << 29) - 1));
-  const Grid grid = MlaDecodePartialsGrid(batch, heads, splits, qlen);
+  if (cta_rows == kMlaDecodeM128Rows && !MlaDecodeM128Serves(qlen, heads)) {
+    return Error::InvalidArgument(std::string(T) + ": the 128-row kernel serves qlen 1 and H a "
+                                  "positive multiple of 128, got qlen " + std::to_string(qlen) +
+                                  ", H " + std::to_string(heads));
+  }
+  const Grid grid = MlaDecodePartialsGrid(batch, heads, splits, qlen, cta_rows);
   JSM_CHECK(Limit(T, "the grid (8 * head groups * ceil(B * S / 8) CTAs)", grid.x, kInt32Max));
   JSM_CHECK(CheckGrid(T, grid));
   if (batch == 0 || heads == 0 || splits == 0) return Error::Success();
@@ -292,7 +304,7 @@ Error MlaDecodePartials(void* stream, int32_t device, AnyBuffer q, AnyBuffer kv,
       .I32("n_indices", n_indices).I32("tokens", std::min(kv.dimensions()[0], kInt32Max))
       .F32("k_scale", k_scale).F32("v_scale", v_scale).F32("sm_scale", sm_scale)
       .Stream(stream);
-  const std::string kernel = MlaDecodeUsesM128(qlen, heads)
+  const std::string kernel = cta_rows == kMlaDecodeM128Rows
                                  ? std::string(kMlaDecodeM128)
                                  : "jsm_mla_decode_partials_q" + std::to_string(qlen);
   return Launch(kernel, args, device);
@@ -472,7 +484,7 @@ Error DsReadTrProbe(void* stream, int32_t device, AnyBuffer lds, AnyBuffer addrs
 // For the CPU tests: `target`'s launch grid (x, y, z workgroups, threads per workgroup) for
 // its quantities `q` and the handler's grid check (no handler call reaches the HSA limit with
 // less than 8 GiB of buffers). q: jsm_sparse_mla {n_q, S, head groups};
-// jsm_mla_decode_partials {B, H, S, qlen}; jsm_mla_decode_combine {n, H};
+// jsm_mla_decode_partials {B, H, S, qlen, rows per CTA}; jsm_mla_decode_combine {n, H};
 // jsm_ultraquant_partials {B, Hk, P}; jsm_ultraquant_reduce {B, Hq}. Writes the check's
 // message (empty when it passes) to `message`; returns -1 for an unknown target, else 0.
 extern "C" __attribute__((visibility("default"))) int jsm_record_grid(
@@ -480,7 +492,8 @@ extern "C" __attribute__((visibility("default"))) int jsm_record_grid(
   const std::string t(target);
   jsm::Grid g;
   if (t == "jsm_sparse_mla") g = jsm::SparseMlaGrid(q[0], q[1], q[2]);
-  else if (t == "jsm_mla_decode_partials") g = jsm::MlaDecodePartialsGrid(q[0], q[1], q[2], q[3]);
+  else if (t == "jsm_mla_decode_partials")
+    g = jsm::MlaDecodePartialsGrid(q[0], q[1], q[2], q[3], q[4]);
   else if (t == "jsm_mla_decode_combine") g = jsm::MlaDecodeCombineGrid(q[0], q[1]);
   else if (t == "jsm_ultraquant_partials") g = jsm::UltraquantPartialsGrid(q[0], q[1], q[2]);
   else if (t == "jsm_ultraquant_reduce") g = jsm::UltraquantReduceGrid(q[0], q[1]);
@@ -519,6 +532,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmMlaDecodePartials, jsm::MlaDecodePartials,
                                   .Ret<AnyBuffer>()
                                   .Ret<AnyBuffer>()
                                   .Attr<int32_t>("qlen")
+                                  .Attr<int32_t>("cta_rows")
                                   .Attr<float>("k_scale")
                                   .Attr<float>("v_scale")
                                   .Attr<float>("sm_scale"));

@@ -32,6 +32,8 @@ MLA_DECODE_M128_ROWS = 128  # query rows per CTA of the 128-row partials kernel
 MLA_DECODE_M128_QLEN = 1  # the query positions per request it serves
 MLA_DECODE_M128_BLOCK = 64  # its online-softmax block (keys); its splits stay whole 128s
 MLA_DECODE_M128 = "jsm_mla_decode_partials_m128"
+MLA_DECODE_M128_MIN_SPLIT_KEYS = 2048  # its splits' least keys of the mean request (partials)
+MI355X_CUS = 256  # the CUs of an MI350X / MI355X, where no device says otherwise
 ULTRAQUANT_TILE = 16  # tokens per QK / PV MFMA step (one block-table read each)
 ULTRAQUANT_TILE_GROUP = 128  # tokens per partition work item
 ULTRAQUANT_WORKGROUPS_PER_CU = 12  # one-wave decode groups a CU's 160 KiB LDS holds
@@ -92,31 +94,45 @@ MLA_DECODE_COMBINE = "jsm_mla_decode_combine"
 ULTRAQUANT_REDUCE = "jsm_ultraquant_reduce"
 
 
-def mla_decode_uses_m128(qlen: int, heads: int) -> bool:
-    """Whether ``mla_decode``'s partials of ``qlen`` positions and ``heads`` heads run the
-    128-row kernel: one position and whole groups of 128 heads (each K tile requested once
-    per group; at other H a 128-row CTA would leave rows idle, so the 16-row kernels run)."""
-    return qlen == MLA_DECODE_M128_QLEN and heads % MLA_DECODE_M128_ROWS == 0
+def mla_decode_m128_serves(qlen: int, heads: int) -> bool:
+    """Whether the 128-row partials kernel can serve ``qlen`` positions and ``heads`` heads:
+    one position and whole groups of 128 heads (no idle rows)."""
+    return qlen == MLA_DECODE_M128_QLEN and heads > 0 and heads % MLA_DECODE_M128_ROWS == 0
 
 
-def mla_decode_partials_launch(qlen: int, heads: int) -> str:
-    """The partials configuration of ``qlen`` query positions per request and ``heads``."""
-    if mla_decode_uses_m128(qlen, heads):
-        return MLA_DECODE_M128
-    return f"jsm_mla_decode_partials_q{qlen}"
+def mla_decode_rows(qlen: int, heads: int, batch: int, n_indices: int, cus: int) -> int:
+    """Query rows per partials CTA for a call of ``batch`` requests over ``n_indices`` keys on
+    ``cus`` CUs: 128 (one K request per (request, split) for 128 heads) where that kernel
+    serves the shape and its CTAs fill the CUs with splits of at least
+    ``MLA_DECODE_M128_MIN_SPLIT_KEYS`` keys of the mean request (or one split): its partials,
+    ``1028 H`` bytes per (request, split), then stay under ``1.78 H / 2048`` (1/9 at H = 128)
+    of the K bytes. Elsewhere 16: ``ceil(H qlen / 16)`` CTAs per (request, split) fill the CUs
+    with 8x fewer splits, hence 8x fewer partial bytes, and a GPU that 128-row CTAs would
+    leave idle does not wait on a few of them (the MFMA work per key is the same)."""
+    if not mla_decode_m128_serves(qlen, heads):
+        return MLA_DECODE_ROWS
+    batch, groups = max(batch, 1), heads // MLA_DECODE_M128_ROWS
+    blocks = -(-n_indices // (batch * MLA_DECODE_BLOCK))
+    splits = max(1, min(blocks, -(-cus // (batch * groups))))
+    fills = batch * groups * splits >= cus
+    long = splits == 1 or n_indices >= MLA_DECODE_M128_MIN_SPLIT_KEYS * batch * splits
+    return MLA_DECODE_M128_ROWS if fills and long else MLA_DECODE_ROWS
 
 
-def mla_decode_head_groups(qlen: int, heads: int) -> int:
-    """CTAs per (request, split) of the partials configuration that serves the call: H / 128
-    for the 128-row kernel, else ``ceil(H qlen / 16)`` (the grids' G)."""
-    if mla_decode_uses_m128(qlen, heads):
-        return heads // MLA_DECODE_M128_ROWS
-    return -(-heads * qlen // MLA_DECODE_ROWS)
+def mla_decode_partials_launch(qlen: int, rows: int) -> str:
+    """The partials configuration of ``qlen`` query positions per request and ``rows`` query
+    rows per CTA (``mla_decode_rows``)."""
+    return MLA_DECODE_M128 if rows == MLA_DECODE_M128_ROWS else f"jsm_mla_decode_partials_q{qlen}"
 
 
-def mla_decode_softmax_block(qlen: int, heads: int) -> int:
-    """Keys per online-softmax block of the partials configuration that serves the call."""
-    return MLA_DECODE_M128_BLOCK if mla_decode_uses_m128(qlen, heads) else MLA_DECODE_BLOCK
+def mla_decode_head_groups(qlen: int, heads: int, rows: int) -> int:
+    """CTAs per (request, split), the grids' G: ``ceil(H qlen / rows)``."""
+    return -(-heads * qlen // rows)
+
+
+def mla_decode_softmax_block(rows: int) -> int:
+    """Keys per online-softmax block of the partials kernel of ``rows`` rows per CTA."""
+    return MLA_DECODE_M128_BLOCK if rows == MLA_DECODE_M128_ROWS else MLA_DECODE_BLOCK
 
 
 def kernel_group_size(g: int) -> int | None:
@@ -142,7 +158,7 @@ def user_symbols() -> tuple[str, ...]:
 
 def cpp_header() -> str:
     """``jsm_configs.h``: the sets above as C++ constants and membership tests, the threads
-    per workgroup, and which mla_decode partials kernel serves a call."""
+    per workgroup, and which shapes the 128-row mla_decode partials kernel can serve."""
 
     def member(name: str, values: tuple[int, ...]) -> list[str]:
         test = " || ".join(f"v == {v}" for v in values)
@@ -165,9 +181,10 @@ def cpp_header() -> str:
             f"constexpr int64_t kMlaDecodeRows = {MLA_DECODE_ROWS};",
             f"constexpr int64_t kMlaDecodeM128Rows = {MLA_DECODE_M128_ROWS};",
             f'constexpr const char* kMlaDecodeM128 = "{MLA_DECODE_M128}";',
-            "// mla_decode_uses_m128: the 128-row partials serve the call",
-            "constexpr bool MlaDecodeUsesM128(int64_t qlen, int64_t heads) {",
-            f"  return qlen == {MLA_DECODE_M128_QLEN} && heads % kMlaDecodeM128Rows == 0;",
+            "// mla_decode_m128_serves: the 128-row partials can serve the shape",
+            "constexpr bool MlaDecodeM128Serves(int64_t qlen, int64_t heads) {",
+            f"  return qlen == {MLA_DECODE_M128_QLEN} && heads > 0 &&",
+            "         heads % kMlaDecodeM128Rows == 0;",
             "}",
             f"constexpr int64_t kUltraquantThreads = {ULTRAQUANT_THREADS};",
             *member("KernelQlen", MLA_DECODE_QLENS),

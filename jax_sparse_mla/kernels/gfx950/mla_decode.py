@@ -77,9 +77,10 @@ ones. The CTAs of one (split, request) run on one XCD (block ids ``8 k + x`` go 
 round-robin dispatch assumed), so a split's K rows come from HBM once per XCD L2 and are
 requested ``G`` times from it.
 
-All heads in one CTA: at qlen 1 with H a multiple of 128 (``configs.mla_decode_uses_m128``) the
-handler launches ``mla_decode_m128.py``'s 128-row kernel instead, which requests each K row once
-per (request, split) rather than ``H / 16`` times (64-key softmax blocks, q's QK steps 5..8 in
+All heads in one CTA: where ``configs.mla_decode_rows`` picks it (qlen 1, H a multiple of 128,
+and its CTAs fill the CUs with splits of at least 2048 keys) the handler launches
+``mla_decode_m128.py``'s 128-row kernel instead, which requests each K row once per (request,
+split) rather than ``H / 16`` times (64-key softmax blocks, q's QK steps 5..8 in
 LDS, P in registers; its docstring and docs/mi355.md have the numbers). These 16-row kernels
 serve every other call. Why not 128 rows with q's hi and lo all in VGPRs: 8 waves give 256
 unified VGPRs per lane, which must hold O (16 rows x 512 f32 = 128), q's hi and lo (72) and the

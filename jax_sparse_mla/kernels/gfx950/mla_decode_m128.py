@@ -1,11 +1,14 @@
 """gfx950 (MI355) ``mla_decode`` partials with all 128 heads of a request in one CTA (qlen 1).
 
-Launched where ``configs.mla_decode_uses_m128`` (qlen 1 and H a multiple of 128: the FFI
-handler's choice, ``jsm_configs.h``); other calls run the 16-row kernels of ``mla_decode.py``
-(at H = 16 a 128-row CTA would waste 7/8 of its MFMAs). Its point: every K tile of a (request,
-split) is requested from L2 once for 128 heads (the 16-row kernels request it ``H / 16`` times),
-like FlyDSL's public ``mla_fwd_decode_m16x8_fp8_fp8`` (8 waves, one CTA per CU, 64-key blocks),
-which however takes an fp8 q; this kernel keeps the bf16-faithful q split into e4m3 hi + lo.
+Launched where ``configs.mla_decode_rows`` picks it (qlen 1, H a positive multiple of 128, and
+its CTAs fill the CUs with splits of at least 2048 keys of the mean request, or one split; the
+FFI call's ``cta_rows`` attribute carries the choice, the handler checks the shape); other
+calls run the 16-row kernels of ``mla_decode.py`` (at H = 16 a 128-row CTA would waste 7/8 of
+its MFMAs; at small batches it would need 8x the splits, and their partials, to fill the
+CUs). Its point: every K tile of a (request, split) is requested from L2 once for 128 heads
+(the 16-row kernels request it ``H / 16`` times), like FlyDSL's public
+``mla_fwd_decode_m16x8_fp8_fp8`` (8 waves, one CTA per CU, 64-key blocks), which however takes
+an fp8 q; this kernel keeps the bf16-faithful q split into e4m3 hi + lo.
 Never run on an MI355: compiled on the CPU, its launches recorded, its lane mappings run in
 numpy (``tests/test_mla_decode_m128.py::test_kernel_layout``), its arithmetic mirrored by
 ``jax_sparse_mla.emulation.mla_decode`` (64-key blocks where this kernel serves the call).
