@@ -500,6 +500,21 @@ def _tr8(lds, addrs):
     return np.concatenate([src[16 * g + 2 * k + (t >> 3), t & 7] for g in range(4)])
 
 
+def q_operands(r, codes):
+    """16 random bf16 query rows split as the kernels split them: their e4m3 hi and lo codes
+    [16, 576], each lane's E8M0 scale byte of the QK B operand (lane ``16 g + t``: row t's
+    ``s`` for even g, ``s - 5`` for odd), and the exact scores [key, row] against ``codes``."""
+    q = C.bf16_normal(r, (16, 576)) * C.to_bf16(2.0 ** r.integers(-3, 4, (16, 1)))
+    x_hat, scale = (np.asarray(v, np.float64) for v in E.q_split(q))
+    x = O.to_f64(q) / scale[:, None]
+    hi = O.e4m3_encode(x)
+    lo = O.e4m3_encode((x - O.e4m3_decode(hi)) * 32)
+    s_byte = np.log2(scale).astype(int) + 127
+    t, g = LANES & 15, LANES >> 4
+    k_scale_b = np.where(g % 2 == 0, s_byte[t], s_byte[t] - 5)
+    return hi, lo, k_scale_b, O.e4m3_decode(codes) @ (x_hat * scale[:, None]).T
+
+
 def test_kernel_layout():
     """One 128-key block through the kernel's lane mappings (DMA into the swizzled slot, QK's
     A / B operands, P in LDS, tr8 V^T reads) with the MFMA / tr8 semantics above computes the
@@ -520,15 +535,8 @@ def test_kernel_layout():
     at = 576 * key + 16 * K._swizzle(key, chunk)
     np.testing.assert_array_equal(lds[at[..., None] + np.arange(16)], codes.reshape(128, 36, 16))
 
-    q = C.bf16_normal(r, (16, 576)) * C.to_bf16(2.0 ** r.integers(-3, 4, (16, 1)))
-    x_hat, scale = (np.asarray(v, np.float64) for v in E.q_split(q))
-    x = O.to_f64(q) / scale[:, None]
-    hi = O.e4m3_encode(x)
-    lo = O.e4m3_encode((x - O.e4m3_decode(hi)) * 32)
-    s_byte = np.log2(scale).astype(int) + 127
+    hi, lo, k_scale_b, want_s = q_operands(r, codes)
     t, g = LANES & 15, LANES >> 4
-    k_scale_b = np.where(g % 2 == 0, s_byte[t], s_byte[t] - 5)
-    want_s = O.e4m3_decode(codes) @ (x_hat * scale[:, None]).T  # [key, row]
     for w in range(8):
         k_rd = K._k_offsets(w, t, g)
         acc = 0

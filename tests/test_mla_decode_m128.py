@@ -125,9 +125,7 @@ def test_kernel_layout():
     ``O = (hi + lo / 32)_P V`` exactly, for every key and latent."""
     pytest.importorskip("flydsl", reason="the kernel module (its address helpers) needs flydsl")
     K = pytest.importorskip("jax_sparse_mla.kernels.gfx950.mla_decode_m128")
-    from tests import cases as C
-    from tests import oracle as O
-    from tests.test_emulation_mla_decode import E, _mfma
+    from tests.test_emulation_mla_decode import _mfma, q_operands
 
     r, codes, p_hi, p_lo, want_o = _block(K, 12)
     lds = _slot(K, codes)
@@ -135,14 +133,7 @@ def test_kernel_layout():
     at = 576 * key + 16 * K._swizzle(key, chunk)
     np.testing.assert_array_equal(lds[at[..., None] + BYTE], codes.reshape(K.BLOCK, 36, 16))
 
-    q = C.bf16_normal(r, (16, 576)) * C.to_bf16(2.0 ** r.integers(-3, 4, (16, 1)))
-    x_hat, scale = (np.asarray(v, np.float64) for v in E.q_split(q))
-    x = O.to_f64(q) / scale[:, None]
-    hi = O.e4m3_encode(x)
-    lo = O.e4m3_encode((x - O.e4m3_decode(hi)) * 32)
-    s_byte = np.log2(scale).astype(int) + 127
-    k_scale_b = np.where(G % 2 == 0, s_byte[T], s_byte[T] - 5)
-    want_s = O.e4m3_decode(codes) @ (x_hat * scale[:, None]).T  # [key, row]
+    hi, lo, k_scale_b, want_s = q_operands(r, codes)
     k_rd = K._k_offsets(T, G & 1)
     for kt in range(K.KEY_TILES):
         acc = 0

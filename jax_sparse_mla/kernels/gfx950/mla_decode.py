@@ -246,6 +246,21 @@ def _store_lds(addr, value, align: int) -> None:
     store_lds(addr, value, align, noalias_scopes=_dma_scope())
 
 
+def dma_16(src, dst) -> None:
+    """16 bytes of each lane's global address ``src`` -> LDS at ``dst`` (wave-uniform: lane
+    ``L`` writes ``dst + 16 L``), in the DMA's alias scope (``_dma_scope``)."""
+    rocdl.global_load_lds(global_ptr(src), lds_ptr(uniform(dst)), 16, 0, alias_scopes=_dma_scope())
+
+
+def zero_slots(lds0, tid, slot_bytes: int) -> None:
+    """Zeroes both K slots of ``slot_bytes`` each from ``lds0`` (a masked key's slot row then
+    holds finite bytes), then a barrier."""
+    zero4 = Vec.filled(4, 0, fx.Int32)
+    for i in range_constexpr(2 * slot_bytes // (16 * THREADS)):
+        _store_lds(lds0 + (i * THREADS + tid) * 16, zero4, 16)
+    lds_barrier()
+
+
 def _q_operands(q_lane, row_ok, g) -> tuple:
     """The q split of this lane's query row: the B operands of the 9 QK steps and their E8M0.
 
@@ -359,6 +374,52 @@ def _swizzle(key, chunk):
 # ---------------------------------------------------------------------------------------------
 # Partials kernel
 # ---------------------------------------------------------------------------------------------
+
+
+def partials_launcher(partials_kernel, heads_per_cta: int):
+    """The ``flyc.jit`` launcher of a partials kernel serving ``heads_per_cta`` heads per CTA
+    (the partials launch ABI of the module docstring; grid ``8 G ceil(B S / 8)``, ``G =
+    ceil(H / heads_per_cta)``); ``mla_decode_m128.py``'s kernel shares it."""
+
+    @flyc.jit
+    def launch(
+        Q: fx.Tensor,
+        KV: fx.Tensor,
+        IDX: fx.Tensor,
+        IPTR: fx.Tensor,
+        OP: fx.Tensor,
+        LP: fx.Tensor,
+        num_requests: fx.Int32,
+        num_heads: fx.Int32,
+        num_splits: fx.Int32,
+        n_indices: fx.Int32,
+        tokens: fx.Int32,
+        k_scale: fx.Float32,
+        v_scale: fx.Float32,
+        sm_scale: fx.Float32,
+        stream: fx.Stream = fx.Stream(None),  # noqa: B008
+    ):
+        groups = (num_heads + (heads_per_cta - 1)) // heads_per_cta
+        items = (num_requests * num_splits + 7) // 8
+        partials_kernel(
+            Q,
+            KV,
+            IDX,
+            IPTR,
+            OP,
+            LP,
+            num_requests,
+            num_heads,
+            num_splits,
+            n_indices,
+            tokens,
+            k_scale,
+            v_scale,
+            sm_scale,
+        ).launch(grid=(8 * groups * items, 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+    launch.compile_hints = {"waves_per_eu": PARTIALS_WAVES_PER_EU, "fast_fp_math": False}
+    return launch
 
 
 def build_partials_launcher(qlen: int):
@@ -476,21 +537,12 @@ def build_partials_launcher(qlen: int):
                 for i in range_constexpr(len(rows)):
                     if rows[i] >= 0:
                         src = kv_base + fx.Int64(rows[i]) * KV_DIM + fx.Int64(dma_chunk[i])
-                        rocdl.global_load_lds(
-                            global_ptr(src),
-                            lds_ptr(uniform(dst + 1024 * i)),
-                            16,
-                            0,
-                            alias_scopes=_dma_scope(),
-                        )
+                        dma_16(src, dst + 1024 * i)
 
             # Zero both slots (a masked key's slot then holds finite bytes), then block 0's DMA,
             # then q's split: the first gather is in flight while q is loaded and split.
             raw_cur = load_index(0)
-            zero4 = Vec.filled(4, 0, fx.Int32)
-            for i in range_constexpr(2 * SLOT_BYTES // (16 * THREADS)):
-                _store_lds(lds0 + (i * THREADS + tid) * 16, zero4, 16)
-            lds_barrier()
+            zero_slots(lds0, tid, SLOT_BYTES)
             key_cur = check_index(raw_cur, 0)
             dma(key_cur, 0)
             raw_next = load_index(1)
@@ -598,45 +650,7 @@ def build_partials_launcher(qlen: int):
             if row_ok & (w == 0) & (g == 0):
                 store_global(lp_base + out_row * 4, lse, 4)
 
-    @flyc.jit
-    def launch(
-        Q: fx.Tensor,
-        KV: fx.Tensor,
-        IDX: fx.Tensor,
-        IPTR: fx.Tensor,
-        OP: fx.Tensor,
-        LP: fx.Tensor,
-        num_requests: fx.Int32,
-        num_heads: fx.Int32,
-        num_splits: fx.Int32,
-        n_indices: fx.Int32,
-        tokens: fx.Int32,
-        k_scale: fx.Float32,
-        v_scale: fx.Float32,
-        sm_scale: fx.Float32,
-        stream: fx.Stream = fx.Stream(None),  # noqa: B008
-    ):
-        groups = (num_heads + (heads_per_cta - 1)) // heads_per_cta
-        items = (num_requests * num_splits + 7) // 8
-        partials_kernel(
-            Q,
-            KV,
-            IDX,
-            IPTR,
-            OP,
-            LP,
-            num_requests,
-            num_heads,
-            num_splits,
-            n_indices,
-            tokens,
-            k_scale,
-            v_scale,
-            sm_scale,
-        ).launch(grid=(8 * groups * items, 1, 1), block=(THREADS, 1, 1), stream=stream)
-
-    launch.compile_hints = {"waves_per_eu": PARTIALS_WAVES_PER_EU, "fast_fp_math": False}
-    return launch
+    return partials_launcher(partials_kernel, heads_per_cta)
 
 
 # ---------------------------------------------------------------------------------------------

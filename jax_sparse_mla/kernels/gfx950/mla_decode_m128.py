@@ -107,7 +107,6 @@ from jax_sparse_mla.kernels.gfx950._primitives import (
     group_sum,
     i32,
     lds_barrier,
-    lds_ptr,
     load_global,
     log2,
     mfma_scaled,
@@ -131,12 +130,14 @@ from jax_sparse_mla.kernels.gfx950.mla_decode import (
     P_SHIFT,
     PARTIALS_WAVES_PER_EU,
     QK_STEPS,
-    _dma_scope,
     _load_lds,
     _q_operands,
     _store_lds,
     _swizzle,
     _tr8,
+    dma_16,
+    partials_launcher,
+    zero_slots,
 )
 
 ROWS = MLA_DECODE_M128_ROWS  # 128 query rows (heads) per CTA
@@ -363,22 +364,13 @@ def build_partials_m128_launcher():
                     row = i32(rocdl.ds_bpermute(T.i32, as_ir(src_key * 4), as_ir(key)))
                     if copies & (row >= 0):
                         src = kv_base + fx.Int64(row) * KV_DIM + fx.Int64(byte)
-                        rocdl.global_load_lds(
-                            global_ptr(src),
-                            lds_ptr(uniform(dst + 1024 * i)),
-                            16,
-                            0,
-                            alias_scopes=_dma_scope(),
-                        )
+                        dma_16(src, dst + 1024 * i)
 
             # Zero both slots (a masked key's slot then holds finite bytes), then block 0's DMA,
             # then q's split (mla_decode.py's order: the first gather is in flight while q is
             # loaded); q's steps 5..8 go to this lane's own LDS (read back by the same lane).
             raw_cur = load_index(0)
-            zero4 = Vec.filled(4, 0, fx.Int32)
-            for i in range_constexpr(2 * SLOT_BYTES // (16 * THREADS)):
-                _store_lds(lds0 + (i * THREADS + tid) * 16, zero4, 16)
-            lds_barrier()
+            zero_slots(lds0, tid, SLOT_BYTES)
             key_cur = check_index(raw_cur, 0)
             dma(key_cur, 0)
             raw_next = load_index(1)
@@ -449,45 +441,7 @@ def build_partials_m128_launcher():
             if row_ok & (g == 0):
                 store_global(base_address(LP) + out_row * 4, lse, 4)
 
-    @flyc.jit
-    def launch(
-        Q: fx.Tensor,
-        KV: fx.Tensor,
-        IDX: fx.Tensor,
-        IPTR: fx.Tensor,
-        OP: fx.Tensor,
-        LP: fx.Tensor,
-        num_requests: fx.Int32,
-        num_heads: fx.Int32,
-        num_splits: fx.Int32,
-        n_indices: fx.Int32,
-        tokens: fx.Int32,
-        k_scale: fx.Float32,
-        v_scale: fx.Float32,
-        sm_scale: fx.Float32,
-        stream: fx.Stream = fx.Stream(None),  # noqa: B008
-    ):
-        groups = (num_heads + (ROWS - 1)) // ROWS
-        items = (num_requests * num_splits + 7) // 8
-        partials_kernel(
-            Q,
-            KV,
-            IDX,
-            IPTR,
-            OP,
-            LP,
-            num_requests,
-            num_heads,
-            num_splits,
-            n_indices,
-            tokens,
-            k_scale,
-            v_scale,
-            sm_scale,
-        ).launch(grid=(8 * groups * items, 1, 1), block=(THREADS, 1, 1), stream=stream)
-
-    launch.compile_hints = {"waves_per_eu": PARTIALS_WAVES_PER_EU, "fast_fp_math": False}
-    return launch
+    return partials_launcher(partials_kernel, ROWS)
 
 
 def compile_config(config: Config):
