@@ -31,7 +31,8 @@ def test_kernel_modules_launch_the_listed_threads_per_workgroup():
     assert module("mla_decode").THREADS == configs.MLA_DECODE_PARTIALS_THREADS
     m128 = module("mla_decode_m128")
     assert (m128.ROWS, m128.BLOCK) == (configs.MLA_DECODE_M128_ROWS, configs.MLA_DECODE_M128_BLOCK)
-    assert m128.THREADS == configs.MLA_DECODE_PARTIALS_THREADS and m128.SPLIT_UNIT == decode.BLOCK
+    assert m128.THREADS == configs.MLA_DECODE_PARTIALS_THREADS
+    assert m128.split_blocks is decode.split_blocks  # the same splits of whole 128s
     assert 64 * module("mla_decode").COMBINE_WAVES == configs.MLA_DECODE_COMBINE_THREADS
     assert module("ultraquant").THREADS == configs.ULTRAQUANT_THREADS
 

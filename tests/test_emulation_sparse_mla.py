@@ -582,17 +582,18 @@ def test_kernel_layout():
 
 
 def test_work_items_and_splits():
-    """The kernel's block-id map and key splits (its own helpers on Python ints): each (row
-    item, head group) once, the G head groups of an item on one XCD (block id mod 8) within one
-    window of 8 G block ids; the splits tile a row in order, whole 64-key chunks but the last,
-    on Python ints as on jnp arrays (the emulation's ``split_range``)."""
-    K = pytest.importorskip("jax_sparse_mla.kernels.gfx950.sparse_mla")
+    """The kernels' block-id map (``_primitives.xcd_work_item`` / ``xcd_grid_x``, shared by
+    the decode kernels) and sparse_mla's key splits, on Python ints: each (item, head group)
+    once, the G head groups of an item on one XCD (block id mod 8) within one window of 8 G
+    block ids; the splits tile a row in order, whole 64-key chunks but the last, on Python ints
+    as on jnp arrays (the emulation's ``split_range``)."""
+    K = pytest.importorskip("jax_sparse_mla.kernels.gfx950._primitives")
     for n_items, groups in ((1, 8), (13, 3), (64, 1)):
-        grid = K._grid_x(n_items, 1, groups)
+        grid = K.xcd_grid_x(n_items, groups)
         assert grid == 8 * groups * -(-n_items // 8)
         seen = {}
         for bid in range(grid):
-            item, hg = K._work_item(bid, groups)
+            item, hg = K.xcd_work_item(bid, groups)
             seen.setdefault(item, []).append((hg, bid))
         assert sorted(seen) == list(range(grid // groups))
         for item, pairs in seen.items():

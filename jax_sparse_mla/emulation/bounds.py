@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from jax_sparse_mla.emulation.mla_decode import softmax_block
 from jax_sparse_mla.emulation.sparse_mla import split_range
 from jax_sparse_mla.formats import (
     LATENT_DIM,
@@ -33,7 +34,6 @@ from jax_sparse_mla.formats import (
     UQ_V_SCALES,
     ultraquant_unpack,
 )
-from jax_sparse_mla.kernels.gfx950 import configs
 
 EPS = 2.0**-24
 
@@ -170,9 +170,7 @@ def mla_decode_partials_bound(
     kv = np.asarray(kv, np.uint8)
     tol = 2.0**-7 * np.abs(o_e)
     lse_tol = np.zeros(lse_e.shape)
-    batch, n = len(kv_indptr) - 1, len(kv_indices)
-    rows = configs.mla_decode_rows(qlen, o_e.shape[2], batch, n, configs.MI355X_CUS)
-    block = configs.mla_decode_softmax_block(rows)
+    block = softmax_block(qlen, o_e.shape[2], len(kv_indptr) - 1, len(kv_indices))
     splits = decode_split_keys(kv_indices, kv_indptr, len(kv), qlen, o_e.shape[1], block)
     for row, s, ids, blocks in splits:
         if len(ids) == 0:

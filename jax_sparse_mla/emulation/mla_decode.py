@@ -111,6 +111,13 @@ def p_split(p: jax.Array) -> jax.Array:
     return hi + lo / LO_FACTOR
 
 
+def softmax_block(qlen: int, heads: int, batch: int, n_indices: int) -> int:
+    """Keys per online-softmax block of the partials kernel that serves the call on an
+    MI355X's 256 CUs (``configs.mla_decode_rows``): 64 for the 128-row kernel, else 128."""
+    rows = configs.mla_decode_rows(qlen, heads, batch, n_indices, configs.MI355X_CUS)
+    return configs.mla_decode_softmax_block(rows)
+
+
 def split_bounds(kv_indptr: jax.Array, n: int, num_splits: int):
     """Per request: start of its positions in kv_indices, seq_len, and the split length c
     (``kv_indptr`` entries clipped to [0, n], n = len(kv_indices))."""
@@ -162,8 +169,7 @@ def mla_decode_partials_gfx950_emulation(
     start, seq_len, chunk = split_bounds(kv_indptr, n, s_count)
     lo = jnp.arange(s_count, dtype=jnp.int32)[None, :] * chunk[:, None]  # [B, S]
     hi = jnp.minimum(lo + chunk[:, None], seq_len[:, None])
-    rows_per_cta = configs.mla_decode_rows(qlen, h, b, n, configs.MI355X_CUS)
-    block = configs.mla_decode_softmax_block(rows_per_cta)  # keys per online-softmax block
+    block = softmax_block(qlen, h, b, n)  # keys per online-softmax block
     num_blocks = (jnp.max(jnp.maximum(hi - lo, 0)) + block - 1) // block
     # Causal bound of row m = (i, head): position i = m // h sees j <= seq_len - qlen + i.
     pos_i = jnp.arange(m_rows, dtype=jnp.int32) // h

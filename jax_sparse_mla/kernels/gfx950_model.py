@@ -52,7 +52,6 @@ MAX_BYTES_RATIO = 1.1
 SPLIT_KEYS = 64  # keys of a work unit, the fill target's piece (every op)
 
 
-DECODE_BLOCK = configs.MLA_DECODE_BLOCK  # keys per mla_decode block: splits are whole blocks
 UQ_TILE = configs.ULTRAQUANT_TILE  # tokens per UltraQuant tile: one block-table read each
 UQ_TILE_GROUP = configs.ULTRAQUANT_TILE_GROUP  # tokens per partition work item (128)
 UQ_WORKGROUPS_PER_CU = configs.ULTRAQUANT_WORKGROUPS_PER_CU  # one-wave groups per CU: 12
@@ -71,8 +70,7 @@ def mla_decode_splits(batch: int, heads: int, qlen: int, n_indices: int, cus: in
     at most one split per 128-key block of the mean request."""
     rows = configs.mla_decode_rows(qlen, heads, batch, n_indices, cus)
     groups = configs.mla_decode_head_groups(qlen, heads, rows)
-    blocks = math.ceil(n_indices / max(batch, 1) / DECODE_BLOCK)
-    return max(1, min(math.ceil(cus / max(batch * groups, 1)), blocks))
+    return configs.mla_decode_fill_splits(batch, groups, n_indices, cus)
 
 
 def sparse_mla_splits(n_q: int, heads: int, nnz: int, cus: int) -> int:

@@ -132,6 +132,21 @@ def lds_barrier(vm: bool = False) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def xcd_work_item(bid, groups) -> tuple:
+    """(work item, head group) of workgroup ``bid``: XCD ``x = bid % 8`` serves items
+    ``x, x + 8, ...``, each as ``groups`` consecutive workgroups of the XCD (block ids
+    ``8 (groups k + hg) + x``, round-robin dispatch assumed), so the head groups of one item
+    share that XCD's L2. Ints or kernel values."""
+    k = bid >> 3
+    return (k // groups) * 8 + (bid & 7), k % groups
+
+
+def xcd_grid_x(items, groups):
+    """Workgroups of a launch of ``items`` work items of ``groups`` head groups each:
+    ``8 groups ceil(items / 8)`` (whole rounds of the 8 XCDs)."""
+    return 8 * groups * ((items + 7) // 8)
+
+
 def base_address(tensor) -> fx.Int64:
     """64-bit byte address of a tensor argument's data."""
     return fx.Int64(fx.ptrtoint(fx.get_iter(tensor)))

@@ -100,6 +100,14 @@ def mla_decode_m128_serves(qlen: int, heads: int) -> bool:
     return qlen == MLA_DECODE_M128_QLEN and heads > 0 and heads % MLA_DECODE_M128_ROWS == 0
 
 
+def mla_decode_fill_splits(batch: int, groups: int, n_indices: int, cus: int) -> int:
+    """Splits that fill ``cus`` CUs with ``groups`` CTAs per (request, split) of ``batch``
+    requests, at most one split per 128-key block of the mean request (``n_indices / batch``
+    keys), at least one."""
+    blocks = -(-n_indices // (max(batch, 1) * MLA_DECODE_BLOCK))
+    return max(1, min(blocks, -(-cus // max(batch * groups, 1))))
+
+
 def mla_decode_rows(qlen: int, heads: int, batch: int, n_indices: int, cus: int) -> int:
     """Query rows per partials CTA for a call of ``batch`` requests over ``n_indices`` keys on
     ``cus`` CUs: 128 (one K request per (request, split) for 128 heads) where that kernel
@@ -112,8 +120,7 @@ def mla_decode_rows(qlen: int, heads: int, batch: int, n_indices: int, cus: int)
     if not mla_decode_m128_serves(qlen, heads):
         return MLA_DECODE_ROWS
     batch, groups = max(batch, 1), heads // MLA_DECODE_M128_ROWS
-    blocks = -(-n_indices // (batch * MLA_DECODE_BLOCK))
-    splits = max(1, min(blocks, -(-cus // (batch * groups))))
+    splits = mla_decode_fill_splits(batch, groups, n_indices, cus)
     fills = batch * groups * splits >= cus
     long = splits == 1 or n_indices >= MLA_DECODE_M128_MIN_SPLIT_KEYS * batch * splits
     return MLA_DECODE_M128_ROWS if fills and long else MLA_DECODE_ROWS

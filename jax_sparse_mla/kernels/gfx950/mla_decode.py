@@ -163,6 +163,8 @@ from jax_sparse_mla.kernels.gfx950._primitives import (
     store_global,
     store_lds,
     uniform,
+    xcd_grid_x,
+    xcd_work_item,
 )
 from jax_sparse_mla.kernels.gfx950.configs import (
     MLA_DECODE_BLOCK,
@@ -244,6 +246,30 @@ def _load_lds(addr, words: int, elem: ir.Type | None = None) -> Vec:
 def _store_lds(addr, value, align: int) -> None:
     """``store_lds`` outside the DMA's alias scope (``_dma_scope``)."""
     store_lds(addr, value, align, noalias_scopes=_dma_scope())
+
+
+def split_blocks(iptr, req, split, num_splits, n_indices, tokens, block: int) -> tuple:
+    """Request ``req``'s first position in kv_indices and seq_len (``kv_indptr`` ``iptr``), the
+    key positions ``[lo, hi)`` of split ``split`` (whole 128s: the partials contract) and its
+    count of ``block``-key blocks (a power of two; 0 without indices or tokens)."""
+    bounds = load_global(base_address(iptr) + fx.Int64(req) * 4, 2, align=4)
+    start = uniform(bounds[0])
+    seq_len = fx.max(uniform(bounds[1]) - start, fx.Int32(0))
+    per = BLOCK * num_splits
+    chunk = ((seq_len + (per - 1)) // per) * BLOCK
+    lo = split * chunk
+    hi = fx.min(lo + chunk, seq_len)
+    nb = (fx.max(hi - lo, fx.Int32(0)) + (block - 1)) >> (block.bit_length() - 1)
+    nb = ((n_indices > 0) & (tokens > 0)).select(nb, fx.Int32(0))
+    return start, seq_len, lo, hi, nb
+
+
+def score_scale(sm_scale, k_scale) -> tuple:
+    """(``sg``, ``|c2|``): ``c2 = (sm_scale k_scale) log2 e`` and its sign (module
+    docstring); the scores' running max is taken on ``t = S sg``, ``|c2|`` applied after."""
+    c2 = (sm_scale * k_scale) * LOG2E
+    sg = (c2 < 0.0).select(fx.Float32(-1.0), fx.Float32(1.0))
+    return sg, c2 * sg
 
 
 def dma_16(src, dst) -> None:
@@ -400,7 +426,7 @@ def partials_launcher(partials_kernel, heads_per_cta: int):
         stream: fx.Stream = fx.Stream(None),  # noqa: B008
     ):
         groups = (num_heads + (heads_per_cta - 1)) // heads_per_cta
-        items = (num_requests * num_splits + 7) // 8
+        grid_x = xcd_grid_x(num_requests * num_splits, groups)
         partials_kernel(
             Q,
             KV,
@@ -416,7 +442,7 @@ def partials_launcher(partials_kernel, heads_per_cta: int):
             k_scale,
             v_scale,
             sm_scale,
-        ).launch(grid=(8 * groups * items, 1, 1), block=(THREADS, 1, 1), stream=stream)
+        ).launch(grid=(grid_x, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
     launch.compile_hints = {"waves_per_eu": PARTIALS_WAVES_PER_EU, "fast_fp_math": False}
     return launch
@@ -455,12 +481,9 @@ def build_partials_launcher(qlen: int):
         t = lane & 15  # QK: key of the wave's tile; S, P, O: query row
         g = lane >> 4  # lane group
 
-        # ---- work item: XCD x = bid % 8 serves items x, x + 8, ..., each as G consecutive CTAs
+        # ---- work item (request x split) and head group: G consecutive CTAs of one XCD
         groups = (num_heads + (heads_per_cta - 1)) // heads_per_cta
-        bid = fx.Int32(fx.block_idx.x)
-        k_xcd = bid >> 3
-        item = uniform((k_xcd // groups) * 8 + (bid & 7))
-        hg = uniform(k_xcd % groups)
+        item, hg = (uniform(x) for x in xcd_work_item(fx.Int32(fx.block_idx.x), groups))
         if item < num_requests * num_splits:
             req = item // num_splits
             split = item - req * num_splits
@@ -471,15 +494,8 @@ def build_partials_launcher(qlen: int):
             lds0 = uniform(fx.ptrtoint(lds.raw.ptr))
 
             # ---- the split's key positions [lo, hi) and its block count
-            bounds = load_global(base_address(IPTR) + fx.Int64(req) * 4, 2, align=4)
-            start = uniform(bounds[0])
-            seq_len = fx.max(uniform(bounds[1]) - start, fx.Int32(0))
-            per = BLOCK * num_splits
-            chunk = ((seq_len + (per - 1)) // per) * BLOCK
-            lo = split * chunk
-            hi = fx.min(lo + chunk, seq_len)
-            nb = (fx.max(hi - lo, fx.Int32(0)) + (BLOCK - 1)) >> 7
-            nb = ((n_indices > 0) & (tokens > 0)).select(nb, fx.Int32(0))
+            args = (num_splits, n_indices, tokens, BLOCK)
+            start, seq_len, lo, hi, nb = split_blocks(IPTR, req, split, *args)
             idx_rsrc = buffer_rsrc(global_ptr(idx_base), fx.Int64(n_indices) * 4)
 
             # ---- this lane's query row n = t: head and position, causal bound
@@ -496,9 +512,7 @@ def build_partials_launcher(qlen: int):
                 )
                 * 2
             )
-            c2 = (sm_scale * k_scale) * LOG2E
-            sg = (c2 < 0.0).select(fx.Float32(-1.0), fx.Float32(1.0))
-            ac2 = c2 * sg
+            sg, ac2 = score_scale(sm_scale, k_scale)
 
             # ---- per-lane LDS addresses, relative to a slot (or to lds0)
             k_rd = _k_offsets(w, t, g)

@@ -94,7 +94,6 @@ from flydsl.expr.typing import Vector as Vec
 
 from jax_sparse_mla.kernels.gfx950._primitives import (
     LN2,
-    LOG2E,
     as_ir,
     base_address,
     buffer_rsrc,
@@ -107,14 +106,13 @@ from jax_sparse_mla.kernels.gfx950._primitives import (
     group_sum,
     i32,
     lds_barrier,
-    load_global,
     log2,
     mfma_scaled,
     split_fp8,
     store_global,
     uniform,
+    xcd_work_item,
 )
-from jax_sparse_mla.kernels.gfx950.configs import MLA_DECODE_BLOCK as SPLIT_UNIT
 from jax_sparse_mla.kernels.gfx950.configs import (
     MLA_DECODE_M128,
     MLA_DECODE_M128_BLOCK,
@@ -137,6 +135,8 @@ from jax_sparse_mla.kernels.gfx950.mla_decode import (
     _tr8,
     dma_16,
     partials_launcher,
+    score_scale,
+    split_blocks,
     zero_slots,
 )
 
@@ -302,10 +302,7 @@ def build_partials_m128_launcher():
         gp = g & 1
 
         groups = (num_heads + (ROWS - 1)) // ROWS
-        bid = fx.Int32(fx.block_idx.x)
-        k_xcd = bid >> 3
-        item = uniform((k_xcd // groups) * 8 + (bid & 7))
-        hg = uniform(k_xcd % groups)
+        item, hg = (uniform(x) for x in xcd_work_item(fx.Int32(fx.block_idx.x), groups))
         if item < num_requests * num_splits:
             req = item // num_splits
             split = item - req * num_splits
@@ -314,15 +311,8 @@ def build_partials_m128_launcher():
             lds0 = uniform(fx.ptrtoint(lds.raw.ptr))
 
             # ---- the split's key positions [lo, hi) (mla_decode.py's splits), 64-key blocks
-            bounds = load_global(base_address(IPTR) + fx.Int64(req) * 4, 2, align=4)
-            start = uniform(bounds[0])
-            seq_len = fx.max(uniform(bounds[1]) - start, fx.Int32(0))
-            per = SPLIT_UNIT * num_splits
-            chunk = ((seq_len + (per - 1)) // per) * SPLIT_UNIT
-            lo = split * chunk
-            hi = fx.min(lo + chunk, seq_len)
-            nb = (fx.max(hi - lo, fx.Int32(0)) + (BLOCK - 1)) // BLOCK
-            nb = ((n_indices > 0) & (tokens > 0)).select(nb, fx.Int32(0))
+            args = (num_splits, n_indices, tokens, BLOCK)
+            start, _, lo, hi, nb = split_blocks(IPTR, req, split, *args)
             idx_rsrc = buffer_rsrc(global_ptr(idx_base), fx.Int64(n_indices) * 4)
 
             # ---- this lane's query row: head 128 hg + 16 w + t
@@ -332,9 +322,7 @@ def build_partials_m128_launcher():
             q_lane = base_address(Q) + (
                 fx.Int64(req * num_heads + head_c) * KV_DIM + fx.Int64(32 * gp)
             ) * fx.Int64(2)
-            c2 = (sm_scale * k_scale) * LOG2E
-            sg = (c2 < 0.0).select(fx.Float32(-1.0), fx.Float32(1.0))
-            ac2 = c2 * sg
+            sg, ac2 = score_scale(sm_scale, k_scale)
 
             k_rd = _k_offsets(t, gp)
             v_base = _v_bases(t, gp)

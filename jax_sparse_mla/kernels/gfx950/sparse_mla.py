@@ -102,7 +102,8 @@ the E8M0 scale of K group ``K // 32`` from lane ``16 (K // 32) + i``; the bf16 /
 take elements ``8 G + [0, 8)``; result lane ``16 G + j`` holds rows ``4 G + [0, 4)`` of column
 j. Every lane address map is a module-level integer helper (``_q_dim`` .. ``_pv_at``), which
 ``tests/test_emulation_sparse_mla.py::test_kernel_layout`` runs through one tile; the block-id
-map and the splits (``_work_item``, ``configs.sparse_mla_split_range``, ``_grid_x``) are checked by
+map and the splits (``_primitives.xcd_work_item``, ``configs.sparse_mla_split_range``,
+``_primitives.xcd_grid_x``) are checked by
 ``test_work_items_and_splits``.
 
 LDS (bytes; the small regions first, so that every offset fits a DS immediate): f32 record
@@ -187,6 +188,8 @@ from jax_sparse_mla.kernels.gfx950._primitives import (
     store_global,
     store_lds,
     uniform,
+    xcd_grid_x,
+    xcd_work_item,
 )
 from jax_sparse_mla.kernels.gfx950.configs import (
     SPARSE_MLA_HEADS,
@@ -441,19 +444,6 @@ def _pv_at(p_rd, sv_rd, kk, s, heads) -> tuple:
     return p_rd + ((8 * hf + sub) * heads * 32 + 16 * s), sv_rd + (1024 * hf + 16 * sub + 64 * s)
 
 
-def _work_item(bid, groups) -> tuple:
-    """(work item, head group) of workgroup ``bid``: XCD ``x = bid % 8`` serves items
-    ``x, x + 8, ...``, each as ``groups`` consecutive workgroups of the XCD (block ids
-    ``8 (groups k + hg) + x``), so the head groups of one (row, split) share that XCD's L2."""
-    k = bid >> 3
-    return (k // groups) * 8 + (bid & 7), k % groups
-
-
-def _grid_x(n_q, splits, groups):
-    """Workgroups of a launch: ``8 groups ceil(n_q splits / 8)`` (whole rounds of 8 items)."""
-    return 8 * groups * ((n_q * splits + 7) // 8)
-
-
 # ---------------------------------------------------------------------------------------------
 # Kernel
 # ---------------------------------------------------------------------------------------------
@@ -496,7 +486,7 @@ def build_launcher(config: Config):
         lane = tid & 63
         t = lane & 15  # QK: token row of the sub-tile; S / P / O: head
         g = lane >> 4  # lane group
-        item, hg = _work_item(fx.Int32(fx.block_idx.x), head_groups)
+        item, hg = xcd_work_item(fx.Int32(fx.block_idx.x), head_groups)
         item_ok = item < n_q * num_splits
         item = fx.min(item, n_q * num_splits - 1)
         row_item = item // num_splits
@@ -852,7 +842,9 @@ def build_launcher(config: Config):
             lse_row_stride,
             sm_scale,
         ).launch(
-            grid=(_grid_x(n_q, num_splits, head_groups), 1, 1), block=(THREADS, 1, 1), stream=stream
+            grid=(xcd_grid_x(n_q * num_splits, head_groups), 1, 1),
+            block=(THREADS, 1, 1),
+            stream=stream,
         )
 
     launch.compile_hints = {"waves_per_eu": WAVES_PER_EU, "fast_fp_math": False}
